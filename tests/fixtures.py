@@ -1,0 +1,116 @@
+"""Tiny Qwen2 checkpoints built at test time with transformers, plus a byte-level BPE tokenizer.
+
+Random Qwen2 models with the default 0.02 init repeat one token forever; these use a 0.2 init and a
+sharpened, untied output head so greedy paths are diverse and top-1/top-2 logit gaps are far above
+the ~1e-5 disagreement between frameworks. The draft copies the target's first layers (and the
+target's later layers are damped), so it imitates the target without being identical: acceptance
+lands strictly between 0 and 1.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+VOCAB = 384  # tokenizer entries, incl. <|endoftext|>
+TARGET_WIDTH = VOCAB + 64  # the target's logit width is padded, as Qwen2.5-7B's is
+EOS = "<|endoftext|>"
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines = []
+    for name in ["argparse.py", "json/encoder.py", "textwrap.py", "string.py"]:
+        lines += (stdlib / name).read_text().splitlines()
+    return lines
+
+
+def build_tokenizer(directory: Path, vocab_size: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.save_pretrained(directory)
+
+
+def _config(layers: int, width: int, eos_id: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=width,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,  # not mlx-lm's fallback 1e6: a dropped RoPE base shows
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        eos_token_id=eos_id,
+    )
+
+
+def build_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
+    """Write root/target (4 layers) and root/draft (2 layers, narrower logits); same tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    target_dir, draft_dir = root / "target", root / "draft"
+    build_tokenizer(target_dir)
+    build_tokenizer(draft_dir)
+    eos_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(EOS)
+
+    torch.manual_seed(seed)
+    target = Qwen2ForCausalLM(_config(4, TARGET_WIDTH, eos_id)).eval()
+    draft = Qwen2ForCausalLM(_config(2, VOCAB, eos_id)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)
+        target.lm_head.weight[eos_id] = 0.0  # EOS never wins greedily: long oracle paths
+        for layer in target.model.layers[2:]:
+            layer.self_attn.o_proj.weight.mul_(0.35)
+            layer.mlp.down_proj.weight.mul_(0.35)
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
+        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+        for i in range(2):
+            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+    target.save_pretrained(target_dir)
+    draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir
+
+
+def build_unrelated(root: Path, seed: int = 123) -> Path:
+    """A draft with the same tokenizer but independent random weights (near-zero acceptance)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    directory = root / "unrelated"
+    build_tokenizer(directory)
+    eos_id = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids(EOS)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(_config(2, VOCAB, eos_id)).eval().save_pretrained(directory)
+    return directory
+
+
+def build_other_tokenizer(root: Path) -> Path:
+    """A draft checkpoint whose tokenizer differs (smaller BPE vocabulary)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    directory = root / "other_tokenizer"
+    build_tokenizer(directory, vocab_size=300)
+    eos_id = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids(EOS)
+    torch.manual_seed(7)
+    Qwen2ForCausalLM(_config(1, 300, eos_id)).eval().save_pretrained(directory)
+    return directory

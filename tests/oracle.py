@@ -1,0 +1,38 @@
+"""The independent oracle: transformers on the CPU in float32. Used by tests only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class Oracle:
+    """Greedy decoding and exact next-token logits from a transformers checkpoint (fp32, CPU)."""
+
+    def __init__(self, directory: Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """(len(ids), V) logits for every position, full recompute (no cache)."""
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([ids])).logits[0]
+        return out.double().numpy()
+
+    def greedy(self, prompt: list[int], n: int, eos: int | None = None) -> tuple[list[int], float]:
+        """n greedy tokens (stopping after eos) and the smallest top-1/top-2 gap on the path."""
+        ids, out, margin = list(prompt), [], np.inf
+        for _ in range(n):
+            last = self.logits(ids)[-1]
+            top2 = np.sort(last)[-2:]
+            margin = min(margin, top2[1] - top2[0])
+            token = int(last.argmax())
+            out.append(token)
+            ids.append(token)
+            if token == eos:
+                break
+        return out, float(margin)

@@ -1,0 +1,148 @@
+"""Loading a target/draft pair through mlx-lm, and checking that they can work together.
+
+Hub ids and local directories are both accepted. Remote code is never trusted. Checkpoints written
+by transformers 5 keep the RoPE base under "rope_parameters", which mlx-lm's qwen2 does not read (it
+would silently use 1e6): we pass it through explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_lm_load
+
+from .backend import resolve_dtype
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+NO_DRAFT = "none"
+_ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
+_QWEN25 = re.compile(r"^(?P<org>[^/]+)/Qwen2\.5-(?P<family>Coder-)?(?P<size>\d+(?:\.\d+)?)B(?P<rest>.*)$")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint could not be found or used; the message is one sentence for the user."""
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def resolve_model_path(name: str | Path) -> Path:
+    """A local directory for `name`: the directory itself, or the hub snapshot (downloaded or
+    cached). Raises ModelLoadError with one sentence when neither is possible."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if not _looks_like_hub_id(str(name)):
+        raise ModelLoadError(f"model directory {str(name)!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name), allow_patterns=_ALLOW))
+    except Exception as err:  # offline, unknown repo, gated, invalid id: all end the same way
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(
+            f"could not load {str(name)!r}: it is not in the local Hugging Face cache and the hub "
+            f"could not provide it ({type(err).__name__}: {reason[:160]})"
+        ) from None
+
+
+def _rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level RoPE keys mlx-lm reads, taken from transformers 5's "rope_parameters"."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return {}
+    overrides: dict[str, Any] = {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        overrides["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+        overrides["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return overrides
+
+
+def load_model(name: str | Path, dtype: str | mx.Dtype | None = None) -> tuple[nn.Module, Any]:
+    """Load one checkpoint through mlx-lm: (model, tokenizer), weights cast to `dtype`."""
+    dt = resolve_dtype(dtype)
+    path = resolve_model_path(name)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{str(name)!r} has no config.json: not a model checkpoint")
+    config = json.loads(config_file.read_text())
+    try:
+        model, tokenizer = mlx_lm_load(str(path), model_config=_rope_overrides(config))
+    except (FileNotFoundError, ValueError) as err:
+        raise ModelLoadError(f"could not load {str(name)!r}: {err}") from None
+    model.set_dtype(dt)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Raise ModelLoadError unless both tokenizers map text to the same ids (vocabulary, added and
+    special tokens, EOS)."""
+    t, d = _hf_tokenizer(target_tokenizer), _hf_tokenizer(draft_tokenizer)
+    if t.get_vocab() != d.get_vocab():
+        raise ModelLoadError(
+            f"the draft's tokenizer differs from the target's (vocabularies of {len(d.get_vocab())} "
+            f"and {len(t.get_vocab())} entries that do not match): they must share one tokenizer"
+        )
+    if list(t.all_special_tokens) != list(d.all_special_tokens):
+        raise ModelLoadError(
+            f"the draft's special tokens {list(d.all_special_tokens)} differ from the target's "
+            f"{list(t.all_special_tokens)}: they must share one tokenizer"
+        )
+    t_eos = getattr(target_tokenizer, "eos_token_ids", {t.eos_token_id})
+    d_eos = getattr(draft_tokenizer, "eos_token_ids", {d.eos_token_id})
+    if set(t_eos) != set(d_eos):
+        raise ModelLoadError(
+            f"the draft's EOS tokens {sorted(d_eos)} differ from the target's {sorted(t_eos)}"
+        )
+
+
+def default_draft(target: str | None) -> str | None:
+    """The draft to use when none is named: the bundled demo draft for the demo target, the
+    Qwen2.5-0.5B of the same publisher, family and suffix for a Qwen2.5 hub id, else None."""
+    if target is None:
+        return str(DEMO_DIR / "draft")
+    m = _QWEN25.match(str(target))
+    if m is None or m["size"] == "0.5":
+        return None
+    return f"{m['org']}/Qwen2.5-{m['family'] or ''}0.5B{m['rest']}"
+
+
+def load_models(
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    *,
+    dtype: str | mx.Dtype | None = None,
+) -> tuple[nn.Module, nn.Module | None, Any]:
+    """Load (target, draft, tokenizer).
+
+    target: hub id or local directory; None loads the bundled demo target.
+    draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft.
+    dtype: "float32", "float16", "bfloat16" or an mx.Dtype; default float32 on the CPU backend and
+    float16 on a GPU.
+    """
+    resolve_dtype(dtype)  # fail on a bad dtype before loading anything
+    if target is None:
+        if not (DEMO_DIR / "target" / "config.json").is_file():
+            raise ModelLoadError("no target given and the bundled demo pair is not installed")
+        target = str(DEMO_DIR / "target")
+        draft = draft if draft is not None else default_draft(None)
+    elif draft is None:
+        draft = default_draft(str(target))
+    target_model, tokenizer = load_model(target, dtype)
+    if draft is None or str(draft).lower() == NO_DRAFT:
+        return target_model, None, tokenizer
+    draft_model, draft_tokenizer = load_model(draft, dtype)
+    check_tokenizers(tokenizer, draft_tokenizer)
+    return target_model, draft_model, tokenizer

@@ -1,0 +1,82 @@
+"""The acceptance rule of speculative decoding, as pure functions: arrays in, arrays out.
+
+Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding" (ICML 2023),
+Algorithm 1; Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling"
+(2023). Names follow the paper: p is the target's distribution, q the draft's. Every function takes
+a leading batch axis B so the same code serves the decode loop (B = 1) and statistical tests.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _pad_vocab(x: mx.array, width: int) -> mx.array:
+    """Zero-pad the last axis to `width`: a distribution has no mass beyond its model's logits."""
+    extra = width - x.shape[-1]
+    if extra <= 0:
+        return x
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, extra)]
+    return mx.pad(x, pad)
+
+
+def _leading_true(accept: mx.array) -> mx.array:
+    """(B, k) bool -> (B,) int32: how many entries are True before the first False."""
+    if accept.shape[-1] == 0:
+        return mx.zeros(accept.shape[:-1], dtype=mx.int32)
+    return mx.cumprod(accept.astype(mx.int32), axis=-1).sum(axis=-1)
+
+
+def greedy_accept(target_argmax: mx.array, draft_tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy rule: accept d_i while d_i == argmax p_i; emit argmax p_n next.
+
+    Args:
+        target_argmax: (B, k+1) argmax of the target logits at each verified position.
+        draft_tokens: (B, k) proposed tokens.
+    Returns:
+        n: (B,) number of accepted draft tokens; token: (B,) the correction (n < k) or bonus token.
+    """
+    k = draft_tokens.shape[-1]
+    n = _leading_true(draft_tokens.astype(mx.int32) == target_argmax[:, :k].astype(mx.int32))
+    token = mx.take_along_axis(target_argmax, n[:, None], axis=-1)[:, 0]
+    return n, token.astype(mx.int32)
+
+
+def speculative_accept(
+    p: mx.array, q: mx.array, draft_tokens: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Stochastic rule: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
+    rejection sample from norm(max(0, p_n - q_n)); if all k are accepted sample the bonus from p_k.
+
+    The emitted tokens are then distributed exactly as p (Leviathan et al., Theorem 1). p and q may
+    have different widths (the draft's vocabulary can be shorter): q is zero beyond its width and p
+    is used unchanged.
+
+    Args:
+        p: (B, k+1, Vp) target probabilities at the k draft positions plus the bonus position.
+        q: (B, k, Vq) draft probabilities from which `draft_tokens` were sampled.
+        draft_tokens: (B, k) int.
+        key: an `mx.random.key`.
+    Returns:
+        n: (B,) accepted count; token: (B,) the token emitted after the accepted ones.
+    """
+    batch, k1, _ = p.shape
+    k = k1 - 1
+    width = max(p.shape[-1], q.shape[-1])
+    p, q = _pad_vocab(p, width), _pad_vocab(q, width)
+    accept_key, sample_key = mx.random.split(key)
+    d = draft_tokens.astype(mx.int32)[..., None]  # (B, k, 1)
+    p_d = mx.take_along_axis(p[:, :k], d, axis=-1)[..., 0]  # (B, k)
+    q_d = mx.take_along_axis(q, d, axis=-1)[..., 0]  # (B, k)
+    u = mx.random.uniform(shape=(batch, k), key=accept_key)
+    n = _leading_true(u * q_d < p_d)  # u < p/q without dividing by q
+
+    # (B, k+1, V): residual rows for a rejection at i < k, and p_k itself for the bonus row
+    q_ext = mx.concatenate([q, mx.zeros((batch, 1, width), dtype=q.dtype)], axis=1)
+    residual = mx.maximum(p - q_ext, 0.0)
+    row = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]  # (B, V)
+    p_row = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # (B, V)
+    # an all-zero residual means p_n == q_n, where rejection has probability 0: fall back to p_n
+    row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
+    token = mx.random.categorical(mx.log(row), key=sample_key)
+    return n, token.astype(mx.int32)

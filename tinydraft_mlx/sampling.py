@@ -1,0 +1,96 @@
+"""Sampling parameters and the one warp that turns logits into a distribution.
+
+The same `warp` produces the target distribution p and the draft distribution q, so top-k, top-p
+and min-p stay exact on the speculative path: rejection sampling over warped p and q yields tokens
+distributed exactly as warped p. Order: temperature -> top-k -> top-p -> min-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+class ParameterError(ValueError):
+    """A parameter outside its allowed range. Keeps the parts so a CLI can name its own flag."""
+
+    def __init__(self, name: str, allowed: str, value: object):
+        self.name, self.allowed, self.value = name, allowed, value
+        super().__init__(f"{name} must be {allowed} (got {value!r})")
+
+
+def check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+    """Return `value` if it is an int in [lo, hi] (hi=None: unbounded), else raise ParameterError."""
+    allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParameterError(name, allowed, value)
+    if value < lo or (hi is not None and value > hi):
+        raise ParameterError(name, allowed, value)
+    return value
+
+
+def _check_float(name: str, value: object, ok, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParameterError(name, allowed, value)
+    if not math.isfinite(value) or not ok(value):
+        raise ParameterError(name, allowed, value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a token. temperature 0 means greedy (argmax); the other knobs then
+    have no effect. top_k 0 and top_p 1 disable those filters; min_p 0 disables min-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
+        _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        check_int("top_k", self.top_k, 0)
+        _check_float("min_p", self.min_p, lambda v: 0 <= v < 1, "in [0, 1)")
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**63 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _renormalize(probs: mx.array, keep: mx.array) -> mx.array:
+    kept = mx.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def warp(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Warped probabilities over the last axis of `logits` (any leading shape), in float32.
+
+    Not for greedy decoding (temperature 0): greedy uses the argmax of the raw logits.
+    """
+    if params.greedy:
+        raise ValueError("warp() needs temperature > 0; greedy decoding uses the argmax")
+    logits = logits.astype(mx.float32) / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        # (..., 1): the k-th largest logit; ties with it are kept
+        kth = mx.topk(logits, params.top_k, axis=-1).min(axis=-1, keepdims=True)
+        logits = mx.where(logits >= kth, logits, -mx.inf)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    if params.top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        # keep a token when the mass ranked strictly before it is below top_p
+        before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = before < params.top_p
+        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+        probs = _renormalize(probs, keep)
+    if params.min_p > 0.0:
+        keep = probs >= params.min_p * probs.max(axis=-1, keepdims=True)
+        probs = _renormalize(probs, keep)
+    return probs

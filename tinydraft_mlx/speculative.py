@@ -1,0 +1,244 @@
+"""The draft/verify loop, and plain decoding through the same code (no draft, k = 0).
+
+Knows nothing about text: token ids in, token ids out. Each round the draft proposes k tokens (its
+steps are queued with `mx.async_eval`, no host sync along the chain), the target scores
+[last, d_1..d_k] in one forward pass, the acceptance rule keeps n of them plus one target token, and
+both caches roll back to the accepted prefix. One `.tolist()` per round is the only host sync.
+
+Cache bookkeeping: `seq` is prompt + emitted tokens. At the start of a round the target holds
+seq[:-1] (seq[-1] is pending) and the draft holds a prefix of it; whatever the draft has not seen
+(one token, or two after a fully accepted round) is fed to it first.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import Cache, cache_length, make_cache, rollback
+from .rejection import greedy_accept, speculative_accept
+from .sampling import ParameterError, SamplingParams, check_int, warp
+from .stats import GenerationStats
+
+MAX_DRAFT_TOKENS = 64
+PREFILL_STEP = 512
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token. `from_draft` is True when it was a draft proposal the target accepted;
+    `stats` is the generation's live statistics object."""
+
+    id: int
+    from_draft: bool
+    stats: GenerationStats
+
+
+def prefill(model: nn.Module, cache: Cache, tokens: list[int], step: int = PREFILL_STEP) -> None:
+    """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens."""
+    for start in range(0, len(tokens), step):
+        model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
+        mx.eval([layer.state for layer in cache])
+
+
+def _draft_chain(
+    draft: nn.Module, cache: Cache, unseen: list[int], k: int, params: SamplingParams, key: mx.array
+) -> tuple[mx.array, mx.array | None]:
+    """Propose k tokens. Returns draft tokens (k,) and, when sampling, their distributions q (k, V).
+
+    Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
+    """
+    keys = None if params.greedy else mx.random.split(key, k)
+    x = mx.array(unseen, dtype=mx.int32)
+    tokens, qs = [], []
+    for i in range(k):
+        logits = draft(x[None], cache=cache)[0, -1]  # (Vq,)
+        if params.greedy:
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        else:
+            q = warp(logits, params)
+            token = mx.random.categorical(mx.log(q), key=keys[i]).astype(mx.int32)
+            qs.append(q)
+        mx.async_eval(token)
+        tokens.append(token)
+        x = token[None]
+    return mx.stack(tokens), (mx.stack(qs) if qs else None)
+
+
+def _verify(
+    target: nn.Module,
+    cache: Cache,
+    last: int,
+    drafts: mx.array,
+    q: mx.array | None,
+    params: SamplingParams,
+    key: mx.array,
+) -> list[int]:
+    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync."""
+    x = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
+    logits = target(x[None], cache=cache)  # (1, k+1, Vp)
+    if params.greedy:
+        n, token = greedy_accept(mx.argmax(logits, axis=-1), drafts[None])
+    else:
+        p = warp(logits, params)
+        q = q[None] if q is not None else mx.zeros((1, 0, p.shape[-1]), dtype=p.dtype)
+        n, token = speculative_accept(p, q, drafts[None], key)
+    return mx.concatenate([n, token, drafts]).tolist()
+
+
+def _rollback_both(target_cache: Cache, draft_cache: Cache | None, keep: int) -> None:
+    """Both caches forget everything after `keep` tokens (the accepted prefix)."""
+    rollback(target_cache, keep)
+    if draft_cache is not None:
+        rollback(draft_cache, keep)
+
+
+def decode(
+    target: nn.Module,
+    draft: nn.Module | None,
+    prompt: list[int],
+    *,
+    k: int = 4,
+    max_tokens: int = 256,
+    sampling: SamplingParams = SamplingParams(),
+    eos_token_ids: Iterable[int] = (),
+    target_cache: Cache | None = None,
+    draft_cache: Cache | None = None,
+) -> Iterator[Token]:
+    """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
+    `stream_generate`). Caches may be passed in holding a prefix of `prompt` (it is not recomputed);
+    whenever the generator stops (length, EOS, close) each cache holds at most seq[:-1]."""
+    target_cache = make_cache(target) if target_cache is None else target_cache
+    if draft is not None and draft_cache is None:
+        draft_cache = make_cache(draft)
+    eos = frozenset(eos_token_ids)
+    seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
+    key = mx.random.key(seed)
+    stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt))
+    seq = list(prompt)
+
+    start = time.perf_counter()
+    prefill(target, target_cache, seq[cache_length(target_cache) : -1])
+    if draft is not None:
+        prefill(draft, draft_cache, seq[cache_length(draft_cache) : -1])
+    stats.prefill_seconds = time.perf_counter() - start
+    try:
+        while stats.generated < max_tokens:
+            start = time.perf_counter()
+            # never draft more than can be emitted: a round emits up to k_round + 1 tokens
+            k_round = min(k, max_tokens - stats.generated - 1) if draft is not None else 0
+            key, draft_key, verify_key = mx.random.split(key, 3)
+            if k_round:
+                unseen = seq[cache_length(draft_cache) :]
+                drafts, q = _draft_chain(draft, draft_cache, unseen, k_round, sampling, draft_key)
+            else:
+                drafts, q = mx.zeros((0,), dtype=mx.int32), None
+            n, token, *proposed = _verify(
+                target, target_cache, seq[-1], drafts, q, sampling, verify_key
+            )
+            # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k (nor the
+            # bonus token): it stays behind and catches up at the start of the next round.
+            _rollback_both(target_cache, draft_cache, len(seq) + n)
+            stats.record_round(k_round, n)
+            stats.decode_seconds += time.perf_counter() - start
+            for i, tok in enumerate(proposed[:n] + [token]):
+                seq.append(tok)
+                stats.generated += 1
+                yield Token(tok, i < n, stats)
+                if tok in eos:
+                    stats.finish_reason = "eos"
+                    return
+        stats.finish_reason = "length"
+    finally:
+        stats.finish_reason = stats.finish_reason or "closed"
+        _rollback_both(target_cache, draft_cache, len(seq) - 1)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    args = getattr(model, "args", None)
+    return getattr(args, "vocab_size", None)
+
+
+def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int | None = None) -> list[int]:
+    """Token ids for `prompt` (a string, or ids passed through); ValueError if empty or invalid."""
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt)) if prompt else []
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ParameterError("prompt token ids", "non-negative integers", t)
+            if vocab_size is not None and t >= vocab_size:
+                raise ParameterError("prompt token ids", f"below the vocabulary size {vocab_size}", t)
+    else:
+        raise ParameterError("prompt", "a string or a list of token ids", type(prompt).__name__)
+    if not ids:
+        raise ValueError("prompt must contain at least one token (got an empty prompt)")
+    return ids
+
+
+def eos_ids(tokenizer) -> frozenset[int]:
+    """The token ids that end generation, from an mlx-lm TokenizerWrapper or a HF tokenizer."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        single = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if single is None else [single]
+    return frozenset(int(i) for i in ids)
+
+
+def stream_generate(
+    target: nn.Module,
+    draft: nn.Module | None,
+    tokenizer,
+    prompt: str | list[int],
+    *,
+    k: int = 4,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+) -> Iterator[Token]:
+    """Generate from `target`, drafting with `draft` (None: plain decoding), yielding each `Token`
+    as it is accepted. Output is distributed exactly as plain sampling from `target` with the same
+    warp (greedy when temperature is 0: token-identical to plain greedy decoding). Generation ends
+    after `max_tokens` tokens or an EOS token (which is emitted). Every argument is checked before
+    any work starts (ValueError naming the parameter)."""
+    sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
+    if draft is not None:
+        check_int("k", k, 1, MAX_DRAFT_TOKENS)
+    check_int("max_tokens", max_tokens, 1)
+    ids = encode_prompt(tokenizer, prompt, _vocab_size(target))
+    return decode(
+        target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
+        eos_token_ids=eos_ids(tokenizer),
+    )
+
+
+def generate(
+    target: nn.Module,
+    draft: nn.Module | None,
+    tokenizer,
+    prompt: str | list[int],
+    *,
+    k: int = 4,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Like `stream_generate`, collected: returns (generated token ids, stats)."""
+    steps = stream_generate(
+        target, draft, tokenizer, prompt, k=k, max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+    )
+    tokens = list(steps)
+    return [t.id for t in tokens], tokens[-1].stats

@@ -1,0 +1,83 @@
+"""Acceptance and timing statistics of one generation, the same object for plain decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings; filled in by the decode loop as it runs.
+
+    acceptance_rate is accepted / drafted. per_position_acceptance[i] is the fraction of rounds that
+    reached draft position i (every earlier draft accepted) in which position i was accepted too, so
+    it estimates the per-position acceptance probability. With no draft both are empty/zero.
+    """
+
+    k: int = 0
+    prompt_tokens: int = 0
+    generated: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    position_reached: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    accepted_length_counts: list[int] = field(default_factory=list)  # index n: rounds with n accepted
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str | None = None  # "length", "eos" or "closed"
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Book one verify round: `drafted` proposals of which the first `accepted` were kept."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        _grow(self.position_reached, drafted)
+        _grow(self.position_accepted, drafted)
+        _grow(self.accepted_length_counts, accepted + 1)
+        for i in range(min(accepted + 1, drafted)):
+            self.position_reached[i] += 1
+        for i in range(accepted):
+            self.position_accepted[i] += 1
+        self.accepted_length_counts[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.position_accepted, self.position_reached)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Draft tokens accepted per round (each round also emits one target token)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """One readable line."""
+        speed = (
+            f"{self.generated} tokens in {self.decode_seconds:.2f}s "
+            f"({self.tokens_per_second:.1f} tok/s), prompt {self.prompt_tokens} tokens "
+            f"in {self.prefill_seconds:.2f}s"
+        )
+        if not self.drafted:
+            return f"plain decoding: {speed}"
+        positions = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+        return (
+            f"speculative k={self.k}: {speed}; acceptance {self.acceptance_rate:.1%} "
+            f"({self.accepted}/{self.drafted}), {self.mean_accepted_length:.2f} accepted + 1 per "
+            f"round over {self.rounds} rounds, per position [{positions}]"
+        )
+
+
+def _grow(counts: list[int], size: int) -> None:
+    counts.extend([0] * (size - len(counts)))
