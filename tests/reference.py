@@ -1,0 +1,51 @@
+"""An independent NumPy implementation of the warp (temperature -> top-k -> top-p -> min-p), written
+from the definitions, to check tinydraft_mlx.sampling.warp and to build oracle distributions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def warp_np(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    if 0 < top_k < z.size:
+        kth = np.sort(z)[-top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        mass_before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+        keep = np.zeros(p.size, dtype=bool)
+        keep[order[mass_before < top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    if min_p > 0.0:
+        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def chi2_threshold(df: int, z: float = 4.0) -> float:
+    """Upper quantile of chi-square(df) by Wilson-Hilferty; z=4.0 is the 1 - 3.2e-5 quantile."""
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson chi-square of observed `counts` against `probs` (both keyed by outcome), pooling the
+    outcomes with expected count < 5 into one cell. An observed outcome of probability 0 gives inf.
+    Returns (statistic, degrees of freedom)."""
+    if any(probs.get(o, 0.0) == 0.0 for o in counts):
+        return float("inf"), 1
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0.0, 0.0, 0
+    for outcome, p in probs.items():
+        expected, observed = n * p, counts.get(outcome, 0)
+        if expected < 5:
+            pooled_obs, pooled_exp = pooled_obs + observed, pooled_exp + expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    return stat, max(cells - 1, 1)

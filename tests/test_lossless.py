@@ -1,0 +1,79 @@
+"""Greedy speculative output equals the transformers CPU fp32 oracle, token for token.
+
+The fixture pair (tests/fixtures.py) is a 4-layer target with a 2-layer draft of narrower logit
+width, sharing one tokenizer, written by transformers 5 and loaded through load_models.
+"""
+
+import pytest
+
+from tinydraft_mlx import generate, load_models
+
+PROMPTS = [
+    "def parse_args(self, args=None, namespace=None):",
+    "import os\nimport sys\n\nclass Encoder(object):",
+    "    for line in text.splitlines():\n        if",
+    "# Copyright 2001 by the Python Software Foundation",
+]
+NEW_TOKENS = 48
+MIN_MARGIN = 1e-3  # frameworks agree to ~1e-5 in fp32; a greedy match is meaningful above this
+
+
+@pytest.fixture(scope="module")
+def references(pair, oracle):
+    """The oracle's greedy continuation of each prompt, checked to be a meaningful reference."""
+    _, _, tok = pair
+    refs = {}
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        ref, margin = oracle.greedy(ids, NEW_TOKENS, eos=tok.eos_token_id)
+        assert len(ref) == NEW_TOKENS, "fixture stopped early"
+        assert len(set(ref)) >= 8, f"degenerate reference {ref}"
+        assert margin > MIN_MARGIN, f"near-tie on the path ({margin:.2e}): fixture unusable"
+        refs[text] = (ids, ref)
+    return refs
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_matches_oracle(pair, references, k):
+    target, draft, tok = pair
+    total_accepted = 0
+    for ids, ref in references.values():
+        out, stats = generate(target, draft, tok, ids, k=k, max_tokens=NEW_TOKENS)
+        assert out == ref
+        assert stats.generated == NEW_TOKENS and stats.finish_reason == "length"
+        total_accepted += stats.accepted
+    assert total_accepted > 0  # the draft really contributed tokens
+
+
+def test_plain_decoding_matches_oracle(pair, references):
+    target, _, tok = pair
+    for ids, ref in references.values():
+        out, stats = generate(target, None, tok, ids, max_tokens=NEW_TOKENS)
+        assert out == ref
+        assert stats.drafted == 0 and stats.rounds == NEW_TOKENS
+
+
+def test_string_prompt_matches_oracle(pair, references):
+    target, draft, tok = pair
+    text = PROMPTS[0]
+    out, _ = generate(target, draft, tok, text, k=3, max_tokens=NEW_TOKENS)
+    assert out == references[text][1]
+
+
+def test_identical_draft_accepts_everything(checkpoints, references):
+    target, same, tok = load_models(str(checkpoints["target"]), str(checkpoints["target"]))
+    for ids, ref in references.values():
+        out, stats = generate(target, same, tok, ids, k=4, max_tokens=NEW_TOKENS)
+        assert out == ref
+        assert stats.acceptance_rate == 1.0
+        assert stats.per_position_acceptance == [1.0] * 4
+
+
+def test_unrelated_draft_still_matches(checkpoints, references):
+    target, unrelated, tok = load_models(str(checkpoints["target"]), str(checkpoints["unrelated"]))
+    accepted = drafted = 0
+    for ids, ref in references.values():
+        out, stats = generate(target, unrelated, tok, ids, k=4, max_tokens=NEW_TOKENS)
+        assert out == ref
+        accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    assert accepted / drafted < 0.05

@@ -1,0 +1,66 @@
+"""The warp against an independent NumPy reference, and SamplingParams' range checks."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.reference import warp_np
+from tinydraft_mlx import ParameterError, SamplingParams, warp
+
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=1.3, top_k=5),
+    dict(temperature=1.0, top_p=0.6),
+    dict(temperature=0.8, min_p=0.2),
+    dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_warp_matches_reference(setting):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(4, 50)).astype(np.float32)
+    ours = np.array(warp(mx.array(logits), SamplingParams(**setting)))
+    for row, got in zip(logits, ours):
+        expected = warp_np(row, **setting)
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+        assert math.isclose(got.sum(), 1.0, abs_tol=1e-5)
+        assert np.array_equal(got > 0, expected > 0)  # identical support
+
+
+def test_filters_remove_mass():
+    """Guard against a reference that silently does nothing: each filter drops tokens here."""
+    logits = np.linspace(3, -3, 20)
+    assert (warp_np(logits, top_k=4) > 0).sum() == 4
+    assert (warp_np(logits, top_p=0.5) > 0).sum() < 20
+    assert (warp_np(logits, min_p=0.3) > 0).sum() < 20
+
+
+def test_greedy_has_no_warp():
+    with pytest.raises(ValueError, match="temperature"):
+        warp(mx.zeros((3,)), SamplingParams(temperature=0.0))
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("temperature", -0.1, ">= 0"),
+        ("temperature", float("inf"), ">= 0"),
+        ("top_p", 0.0, "in (0, 1]"),
+        ("top_p", 1.5, "in (0, 1]"),
+        ("top_k", -1, "integer >= 0"),
+        ("top_k", 2.5, "integer >= 0"),
+        ("min_p", 1.0, "in [0, 1)"),
+        ("min_p", -0.2, "in [0, 1)"),
+        ("seed", -1, "integer in [0,"),
+        ("temperature", "hot", ">= 0"),
+    ],
+)
+def test_out_of_range_names_parameter_range_and_value(field, value, allowed):
+    with pytest.raises(ParameterError) as err:
+        SamplingParams(**{field: value})
+    message = str(err.value)
+    assert message.startswith(field) and allowed in message and repr(value) in message
