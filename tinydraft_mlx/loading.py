@@ -21,7 +21,9 @@ from .backend import resolve_dtype
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 NO_DRAFT = "none"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
-_QWEN25 = re.compile(r"^(?P<org>[^/]+)/Qwen2\.5-(?P<family>Coder-)?(?P<size>\d+(?:\.\d+)?)B(?P<rest>.*)$")
+_QWEN25 = re.compile(
+    r"^(?P<org>[^/]+)/Qwen2\.5-(?P<family>Coder-)?(?P<size>\d+(?:\.\d+)?)B(?P<rest>.*)$"
+)
 
 
 class ModelLoadError(ValueError):
@@ -92,8 +94,9 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
     t, d = _hf_tokenizer(target_tokenizer), _hf_tokenizer(draft_tokenizer)
     if t.get_vocab() != d.get_vocab():
         raise ModelLoadError(
-            f"the draft's tokenizer differs from the target's (vocabularies of {len(d.get_vocab())} "
-            f"and {len(t.get_vocab())} entries that do not match): they must share one tokenizer"
+            f"the draft's tokenizer differs from the target's (vocabularies of "
+            f"{len(d.get_vocab())} and {len(t.get_vocab())} entries that do not match): "
+            "they must share one tokenizer"
         )
     if list(t.all_special_tokens) != list(d.all_special_tokens):
         raise ModelLoadError(

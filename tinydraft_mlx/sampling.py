@@ -22,7 +22,7 @@ class ParameterError(ValueError):
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    """Return `value` if it is an int in [lo, hi] (hi=None: unbounded), else raise ParameterError."""
+    """`value` if it is an int in [lo, hi] (hi None: unbounded), else raise ParameterError."""
     allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ParameterError(name, allowed, value)

@@ -39,8 +39,22 @@ class Token:
     stats: GenerationStats
 
 
+def vocab_width(model: nn.Module) -> int | None:
+    """Rows of the model's embedding (its logit width for Qwen2), from the mlx-lm config."""
+    return getattr(getattr(model, "args", None), "vocab_size", None)
+
+
+def model_inputs(model: nn.Module, tokens: list[int]) -> list[int]:
+    """`tokens` made safe for `model`'s embedding. Only the draft can meet ids beyond its width
+    (the target's logits may be wider, e.g. Qwen2.5-7B vs 0.5B); they become its last row. That
+    only changes which q the draft proposes from, never the exactness of the output."""
+    width = vocab_width(model)
+    return tokens if width is None else [min(t, width - 1) for t in tokens]
+
+
 def prefill(model: nn.Module, cache: Cache, tokens: list[int], step: int = PREFILL_STEP) -> None:
     """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens."""
+    tokens = model_inputs(model, tokens)
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
         mx.eval([layer.state for layer in cache])
@@ -54,7 +68,7 @@ def _draft_chain(
     Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
     """
     keys = None if params.greedy else mx.random.split(key, k)
-    x = mx.array(unseen, dtype=mx.int32)
+    x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
     tokens, qs = [], []
     for i in range(k):
         logits = draft(x[None], cache=cache)[0, -1]  # (Vq,)
@@ -116,6 +130,12 @@ def decode(
     target_cache = make_cache(target) if target_cache is None else target_cache
     if draft is not None and draft_cache is None:
         draft_cache = make_cache(draft)
+    for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
+        if cache is not None and cache_length(cache) > len(prompt) - 1:
+            raise ValueError(
+                f"{name} must hold at most len(prompt) - 1 = {len(prompt) - 1} tokens "
+                f"(got {cache_length(cache)})"
+            )
     eos = frozenset(eos_token_ids)
     seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
     key = mx.random.key(seed)
@@ -159,11 +179,6 @@ def decode(
         _rollback_both(target_cache, draft_cache, len(seq) - 1)
 
 
-def _vocab_size(model: nn.Module) -> int | None:
-    args = getattr(model, "args", None)
-    return getattr(args, "vocab_size", None)
-
-
 def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int | None = None) -> list[int]:
     """Token ids for `prompt` (a string, or ids passed through); ValueError if empty or invalid."""
     if isinstance(prompt, str):
@@ -174,7 +189,8 @@ def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int | None = N
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ParameterError("prompt token ids", "non-negative integers", t)
             if vocab_size is not None and t >= vocab_size:
-                raise ParameterError("prompt token ids", f"below the vocabulary size {vocab_size}", t)
+                allowed = f"below the vocabulary size {vocab_size}"
+                raise ParameterError("prompt token ids", allowed, t)
     else:
         raise ParameterError("prompt", "a string or a list of token ids", type(prompt).__name__)
     if not ids:
@@ -214,7 +230,7 @@ def stream_generate(
     if draft is not None:
         check_int("k", k, 1, MAX_DRAFT_TOKENS)
     check_int("max_tokens", max_tokens, 1)
-    ids = encode_prompt(tokenizer, prompt, _vocab_size(target))
+    ids = encode_prompt(tokenizer, prompt, vocab_width(target))
     return decode(
         target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
         eos_token_ids=eos_ids(tokenizer),

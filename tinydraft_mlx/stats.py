@@ -22,7 +22,8 @@ class GenerationStats:
     accepted: int = 0
     position_reached: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
-    accepted_length_counts: list[int] = field(default_factory=list)  # index n: rounds with n accepted
+    # index n: how many rounds accepted exactly n draft tokens
+    accepted_length_counts: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str | None = None  # "length", "eos" or "closed"

@@ -1,0 +1,56 @@
+"""`python -m tinydraft_mlx.generate`: a real run, and one-line errors with exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tinydraft_mlx.generate import main
+
+
+def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
+    code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+                 "--prompt", "def parse_args(", "--max-tokens", "20", "-k", "3", "--verbose"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.strip()
+    assert "speculative k=3: 20 tokens" in err
+
+
+def test_cli_plain_decoding_from_stdin(checkpoints):
+    result = subprocess.run(
+        [sys.executable, "-m", "tinydraft_mlx.generate", "--target", str(checkpoints["target"]),
+         "--draft", "none", "--max-tokens", "5", "--temp", "0.7", "--seed", "1"],
+        input="import os\n", capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "plain decoding: 5 tokens" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--temp", "-1"], "--temp must be >= 0 (got -1.0)"),
+        (["--temp", "warm"], "--temp must be >= 0 (got 'warm')"),
+        (["--top-p", "0"], "--top-p must be in (0, 1] (got 0.0)"),
+        (["--top-p", "1.01"], "--top-p must be in (0, 1] (got 1.01)"),
+        (["--top-k", "-3"], "--top-k must be an integer >= 0 (got -3)"),
+        (["--min-p", "1"], "--min-p must be in [0, 1) (got 1.0)"),
+        (["-k", "0"], "--num-draft-tokens must be an integer in [1, 64] (got 0)"),
+        (["--num-draft-tokens", "65"], "--num-draft-tokens must be an integer in [1, 64] (got 65)"),
+        (["--max-tokens", "0"], "--max-tokens must be an integer >= 1 (got 0)"),
+        (["--max-tokens", "1.5"], "--max-tokens must be an integer >= 1 (got '1.5')"),
+        (["--seed", "-2"], "--seed must be an integer in [0, 9223372036854775807] (got -2)"),
+        (["--prompt", ""], "--prompt must be non-empty"),
+        (["--dtype", "int4"], "argument --dtype: invalid choice"),
+        (["--target", "/no/such/model"], "model directory '/no/such/model' does not exist"),
+        (["--draft", "OTHER"], "tokenizer differs from the target's"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(checkpoints, capsys, args, expected):
+    args = [str(checkpoints["other_tokenizer"]) if a == "OTHER" else a for a in args]
+    base = ["--target", str(checkpoints["target"]), "--prompt", "x"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(base + args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and expected in err, err

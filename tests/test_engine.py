@@ -1,0 +1,212 @@
+"""The decode loop's bookkeeping: cache round-trips, early close, EOS inside an accepted run,
+max_tokens below k, and the statistics' invariants."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tinydraft_mlx import SamplingParams, generate, load_models, stream_generate
+from tinydraft_mlx.cache import cache_length, make_cache, rollback
+from tinydraft_mlx.speculative import decode, prefill
+
+PROMPT = "def parse_args(self, args=None, namespace=None):"
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """Plain greedy continuation (itself checked against the oracle in test_lossless)."""
+    target, _, tok = pair
+    ids = tok.encode(PROMPT)
+    return ids, generate(target, None, tok, ids, max_tokens=64)[0]
+
+
+@pytest.fixture(scope="module")
+def same_pair(checkpoints):
+    """Target and an identical draft: every round is fully accepted."""
+    return load_models(str(checkpoints["target"]), str(checkpoints["target"]))
+
+
+def _assert_cache_holds(model, cache, ids):
+    """The cache's keys/values equal a fresh prefill of `ids` (fp32; only summation order differs
+    between chunked and one-shot attention, hence the 1e-4 tolerance)."""
+    assert cache_length(cache) == len(ids)
+    fresh = make_cache(model)
+    prefill(model, fresh, ids)
+    for ours, ref in zip(cache, fresh):
+        k_ours, v_ours = (x[..., : len(ids), :] for x in ours.state[:2])
+        k_ref, v_ref = (x[..., : len(ids), :] for x in ref.state[:2])
+        np.testing.assert_allclose(np.array(k_ours), np.array(k_ref), atol=1e-4)
+        np.testing.assert_allclose(np.array(v_ours), np.array(v_ref), atol=1e-4)
+
+
+def test_cache_rollback_is_offset_only(pair):
+    target, _, tok = pair
+    cache = make_cache(target)
+    prefill(target, cache, tok.encode(PROMPT))
+    keys_before = cache[0].keys
+    rollback(cache, 5)
+    assert cache_length(cache) == 5 and cache[0].keys is keys_before  # no copy
+    rollback(cache, 50)  # growing is not rollback: a no-op
+    assert cache_length(cache) == 5
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_caches_hold_accepted_prefix_after_generation(pair, reference, k):
+    target, draft, tok = pair
+    ids, ref = reference
+    tc, dc = make_cache(target), make_cache(draft)
+    out = [t.id for t in decode(target, draft, ids, k=k, max_tokens=40, target_cache=tc,
+                                draft_cache=dc)]
+    assert out == ref[:40]
+    seq = ids + out
+    _assert_cache_holds(target, tc, seq[:-1])
+    assert cache_length(dc) <= len(seq) - 1
+    _assert_cache_holds(draft, dc, seq[: cache_length(dc)])
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 7, 18])
+def test_early_close_leaves_caches_consistent_and_resumable(same_pair, reference, stop_after):
+    """Close mid-round (the identical draft makes rounds of 5 accepted tokens), then resume from
+    the same caches: the continuation equals the uninterrupted greedy output."""
+    target, draft, _ = same_pair
+    ids, ref = reference
+    tc, dc = make_cache(target), make_cache(draft)
+    steps = decode(target, draft, ids, k=4, max_tokens=40, target_cache=tc, draft_cache=dc)
+    got = []
+    for token in steps:
+        got.append(token.id)
+        if len(got) == stop_after:
+            break
+    steps.close()
+    assert token.stats.finish_reason == "closed"
+    seq = ids + got
+    _assert_cache_holds(target, tc, seq[:-1])
+    _assert_cache_holds(draft, dc, seq[: cache_length(dc)])
+    rest = [t.id for t in decode(target, draft, seq, k=4, max_tokens=40 - stop_after,
+                                 target_cache=tc, draft_cache=dc)]
+    assert got + rest == ref[:40]
+
+
+def test_eos_inside_an_accepted_run(same_pair, reference):
+    target, draft, _ = same_pair
+    ids, ref = reference
+    j = next(i for i in range(2, 4) if ref[i] not in ref[:i])  # inside the first 5-token round
+    tok = SimpleNamespace(eos_token_ids={ref[j]})
+    steps = list(stream_generate(target, draft, tok, ids, k=4, max_tokens=40))
+    assert [t.id for t in steps] == ref[: j + 1]  # EOS emitted, nothing after it
+    assert all(t.from_draft for t in steps)  # the run really was accepted past EOS
+    assert steps[-1].stats.finish_reason == "eos" and steps[-1].stats.accepted == 4
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_max_tokens_below_k(pair, reference, max_tokens):
+    target, draft, tok = pair
+    ids, ref = reference
+    out, stats = generate(target, draft, tok, ids, k=8, max_tokens=max_tokens)
+    assert out == ref[:max_tokens]
+    # no round drafted more than it could emit: at most max_tokens - 1 positions ever used
+    assert len(stats.position_reached) <= max_tokens - 1 and stats.finish_reason == "length"
+
+
+def test_fully_accepted_rounds_feed_the_draft_two_tokens(same_pair, reference):
+    target, draft, tok = same_pair
+    ids, ref = reference
+    out, stats = generate(target, draft, tok, ids, k=4, max_tokens=40)
+    assert out == ref[:40]
+    assert stats.rounds == 8 and stats.accepted_length_counts == [0, 0, 0, 0, 8]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stats_invariants(pair, temperature):
+    target, draft, tok = pair
+    steps = list(stream_generate(target, draft, tok, PROMPT, k=4, max_tokens=50,
+                                 temperature=temperature, seed=3))
+    stats = steps[-1].stats
+    assert stats.generated == len(steps) == 50
+    assert stats.generated == stats.accepted + stats.rounds  # each round: n drafts + 1 token
+    assert sum(t.from_draft for t in steps) == stats.accepted
+    assert sum(stats.accepted_length_counts) == stats.rounds
+    # every round drafts except possibly the last (which may only have room for one token)
+    assert stats.position_reached[0] in (stats.rounds, stats.rounds - 1)
+    for i, (acc, reached) in enumerate(zip(stats.position_accepted, stats.position_reached)):
+        assert acc <= reached
+        if i + 1 < len(stats.position_reached):
+            assert stats.position_reached[i + 1] <= acc  # reaching i+1 needs i accepted
+    assert 0.0 < stats.acceptance_rate < 1.0
+    assert stats.mean_accepted_length == pytest.approx(stats.accepted / stats.rounds)
+    assert stats.prefill_seconds > 0 and stats.tokens_per_second > 0
+    line = stats.summary()
+    assert "\n" not in line and "acceptance" in line and "tok/s" in line
+
+
+def test_plain_summary(pair):
+    target, _, tok = pair
+    _, stats = generate(target, None, tok, PROMPT, max_tokens=5)
+    assert stats.summary().startswith("plain decoding: 5 tokens")
+
+
+def test_api_name_survives_importing_the_cli(pair):
+    import tinydraft_mlx.generate  # noqa: F401  (rebinds the package attribute to the module)
+
+    target, draft, tok = pair
+    out, _ = tinydraft_mlx.generate(target, draft, tok, PROMPT, k=2, max_tokens=4)
+    assert len(out) == 4
+
+
+BAD_CALLS = [
+    (dict(k=0), "k must be an integer in [1, 64]"),
+    (dict(k=65), "k must be an integer in [1, 64]"),
+    (dict(k=2.0), "k must be an integer"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(top_k=-2), "top_k must be an integer >= 0"),
+    (dict(min_p=1.0), "min_p must be in [0, 1)"),
+    (dict(seed=-5), "seed must be an integer"),
+    (dict(prompt=""), "prompt must contain at least one token"),
+    (dict(prompt=[]), "prompt must contain at least one token"),
+    (dict(prompt=[1, -4]), "prompt token ids must be non-negative"),
+    (dict(prompt=[1, 10_000]), "below the vocabulary size 448"),
+    (dict(prompt=3.5), "prompt must be a string or a list of token ids"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_CALLS)
+def test_bad_input_raises_before_any_work(pair, kwargs, message):
+    target, draft, tok = pair
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", PROMPT)
+    with pytest.raises(ValueError) as err:
+        stream_generate(target, draft, tok, prompt, **kwargs)  # raises at the call, not on next()
+    assert message in str(err.value)
+
+
+def test_decode_rejects_a_cache_longer_than_the_prompt(pair):
+    target, draft, tok = pair
+    ids = tok.encode(PROMPT)
+    cache = make_cache(target)
+    prefill(target, cache, ids + ids)
+    with pytest.raises(ValueError, match="target_cache"):
+        next(decode(target, draft, ids, target_cache=cache, sampling=SamplingParams()))
+
+
+def test_draft_width_differs_from_target(pair):
+    """The fixture exercises mismatched logit widths (as Qwen2.5-0.5B vs 7B do)."""
+    target, draft, tok = pair
+    x = mx.array([tok.encode("x = 1")])
+    assert target(x).shape[-1] > draft(x).shape[-1]
+
+
+def test_ids_beyond_the_drafts_width(pair):
+    """Ids the target knows but the draft's embedding lacks (Qwen2.5-7B's padded rows vs 0.5B)
+    must not reach the draft's embedding as out-of-range reads; output still equals plain."""
+    target, draft, tok = pair
+    ids = tok.encode(PROMPT) + [440, 401, 12]
+    dc = make_cache(draft)
+    plain = generate(target, None, tok, ids, max_tokens=24)[0]
+    spec = [t.id for t in decode(target, draft, ids, k=3, max_tokens=24, draft_cache=dc)]
+    assert spec == plain
+    keys = np.array(dc[0].keys[..., : cache_length(dc), :])
+    assert np.isfinite(keys).all()
