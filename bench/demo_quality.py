@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sysconfig
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import mlx_lm
+from common import machine
 
-import tinydraft_mlx
 from tinydraft_mlx import generate, load_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,10 +100,7 @@ def main() -> None:
     report = {
         "settings": {"k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
                      "seed": args.seed, "dtype": "float32", "pair": "bundled demo pair"},
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "device": str(mx.default_device()), "mlx": mx.__version__,
-                    "mlx_lm": mlx_lm.__version__, "tinydraft_mlx": tinydraft_mlx.__version__,
-                    "blas": "the mlx wheel's own (reference BLAS on Linux)"},
+        "machine": machine(),
         "plain": run(target, None, tok, prompts, k=args.k, temperature=0.0,
                      max_tokens=args.max_tokens, seed=args.seed),
         "speculative": {},

@@ -124,7 +124,8 @@ def train(model, data, steps, peak_lr, batch, seq, seed, teacher=None, alpha=0.5
         opt.step()
         if step % 100 == 0 or step == steps - 1:
             rate = (step + 1) * batch * seq / (time.time() - start)
-            print(f"{log} step {step}/{steps} loss {loss.item():.3f} ({rate:.0f} tok/s)", flush=True)
+            print(f"{log} step {step}/{steps} loss {loss.item():.3f} ({rate:.0f} tok/s)",
+                  flush=True)
     return time.time() - start
 
 
