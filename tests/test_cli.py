@@ -16,6 +16,12 @@ def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
     assert "speculative k=3: 20 tokens" in err
 
 
+def test_cli_bounded_cache(checkpoints, capsys):
+    code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+                 "--prompt", "def parse_args(", "--max-tokens", "40", "--max-kv-size", "16"])
+    assert code == 0 and "speculative k=4: 40 tokens" in capsys.readouterr().err
+
+
 def test_cli_plain_decoding_from_stdin(checkpoints):
     result = subprocess.run(
         [sys.executable, "-m", "tinydraft_mlx.generate", "--target", str(checkpoints["target"]),
@@ -41,7 +47,10 @@ def test_cli_plain_decoding_from_stdin(checkpoints):
         (["--max-tokens", "1.5"], "--max-tokens must be an integer >= 1 (got '1.5')"),
         (["--seed", "-2"], "--seed must be an integer in [0, 9223372036854775807] (got -2)"),
         (["--prompt", ""], "--prompt must be non-empty"),
+        (["--max-kv-size", "3"], "--max-kv-size must be an integer >= 5 (got 3)"),
+        (["--max-kv-size", "big"], "--max-kv-size must be an integer >= 5 (got 'big')"),
         (["--dtype", "int4"], "argument --dtype: invalid choice"),
+        (["--chat"], "--chat: this tokenizer has no chat template"),
         (["--target", "/no/such/model"], "model directory '/no/such/model' does not exist"),
         (["--draft", "OTHER"], "tokenizer differs from the target's"),
     ],
@@ -54,3 +63,37 @@ def test_bad_arguments_exit_2_with_one_line(checkpoints, capsys, args, expected)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
+    """An interrupt mid-stream ends with status 130, the text so far and the stats line."""
+    import tinydraft_mlx.generate as cli
+
+    real = cli._stream_text
+
+    class Interrupting:
+        """Raises KeyboardInterrupt where the sixth token would arrive."""
+
+        def __init__(self, steps):
+            self.steps, self.seen = steps, 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.seen == 5:
+                raise KeyboardInterrupt
+            self.seen += 1
+            return next(self.steps)
+
+        def close(self):
+            self.steps.close()
+
+    def interrupted(steps, tokenizer):
+        return real(Interrupting(steps), tokenizer)
+
+    monkeypatch.setattr(cli, "_stream_text", interrupted)
+    code = cli.main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+                     "--prompt", "def f(", "--max-tokens", "30"])
+    err = capsys.readouterr().err
+    assert code == 130 and "5 tokens" in err

@@ -8,14 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 Cache = list[Any]  # one cache object per layer
 
 
-def make_cache(model: nn.Module) -> Cache:
-    """A fresh per-layer cache for `model`; raises ValueError if it cannot be rolled back."""
+KEEP = 4  # sink positions a bounded cache always keeps (as mlx-lm's RotatingKVCache)
+
+
+def make_cache(model: nn.Module, max_kv_size: int | None = None, margin: int = 1) -> Cache:
+    """A fresh per-layer cache for `model`: unbounded, or bounded to `max_kv_size` positions with
+    a rollback margin of `margin` slots (use >= k + 1). Raises ValueError if the model's cache
+    cannot be rolled back."""
+    if max_kv_size is not None:
+        if hasattr(model, "make_cache"):
+            raise ValueError(
+                "max_kv_size needs a model made of standard attention layers; this model builds "
+                "its own caches"
+            )
+        n_layers = len(model.layers)
+        return [RollbackRotatingKVCache(max_kv_size, KEEP, margin) for _ in range(n_layers)]
     cache = make_prompt_cache(model)
     if not all(c.is_trimmable() for c in cache):
         kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
@@ -36,3 +50,125 @@ def rollback(cache: Cache, keep: int) -> None:
     if drop > 0:
         for layer in cache:
             layer.trim(drop)
+
+
+class RollbackRotatingKVCache:
+    """A bounded KV cache that can still roll back after it wraps.
+
+    Semantics (`max_kv_size` W, `keep` sink positions): the token at absolute position t attends to
+    positions [0, keep) and to the most recent W - keep positions up to and including t, however
+    many tokens arrive in one call, so a (k+1)-token verify sees exactly what k+1 single-token
+    steps would. Storage is `keep` sink slots plus a ring of W - keep + `margin` slots: the margin
+    holds positions that no query may see any more, which is what makes `trim(n)` for
+    n <= margin + 1 an O(1) offset change even after the ring has wrapped.
+
+    Speaks mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `trim`,
+    `is_trimmable`, `state`, `nbytes`), so mlx-lm models run on it unchanged. The mask is computed
+    from the absolute position stored in each slot, never from the slot order.
+    """
+
+    def __init__(self, max_kv_size: int, keep: int = 4, margin: int = 1):
+        if not 0 <= keep < max_kv_size:
+            raise ValueError(f"keep must be in [0, max_kv_size) = [0, {max_kv_size}) (got {keep})")
+        if margin < 1:
+            raise ValueError(f"margin must be >= 1 (got {margin})")
+        self.max_kv_size, self.keep, self.margin = max_kv_size, keep, margin
+        self.window = max_kv_size - keep  # recent positions each query sees, itself included
+        self.ring = self.window + margin
+        self.slots = keep + self.ring
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    # -- positions ---------------------------------------------------------------------------
+
+    def _slot_positions(self, end: int) -> mx.array:
+        """(slots,) absolute position held by each slot once positions [0, end) are written;
+        -1 for an empty slot."""
+        s = mx.arange(self.slots)
+        sinks = mx.where(s < end, s, -1)
+        last = end - 1 - self.keep  # ring index of the newest position
+        ring_pos = self.keep + last - mx.remainder(last - (s - self.keep), self.ring)
+        ring_pos = mx.where(ring_pos >= self.keep, ring_pos, -1)
+        return mx.where(s < self.keep, sinks, ring_pos)
+
+    def _in_place(self, n: int) -> bool:
+        """Whether n new tokens can be written before attention without overwriting a position
+        that one of their queries still needs (else keys are returned as buffer + new)."""
+        return n <= self.margin + 1
+
+    def _key_positions(self, n: int) -> mx.array:
+        if self._in_place(n):
+            return self._slot_positions(self.offset + n)
+        return mx.concatenate([self._slot_positions(self.offset), self.offset + mx.arange(n)])
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        """(n, n_keys) boolean mask for the next `n` tokens (True = attend)."""
+        q = (self.offset + mx.arange(n))[:, None]
+        k = self._key_positions(n)[None, :]
+        recent = k > q - self.window
+        return (k >= 0) & (k <= q) & ((k < self.keep) | recent)
+
+    # -- storage -----------------------------------------------------------------------------
+
+    def _write(self, keys: mx.array, values: mx.array) -> None:
+        """Store positions [offset, offset + L): sinks in their slots, the newest `ring` in the
+        ring."""
+        start, end = self.offset, self.offset + keys.shape[2]
+        if start < self.keep:
+            stop = min(end, self.keep)
+            self.keys[..., start:stop, :] = keys[..., : stop - start, :]
+            self.values[..., start:stop, :] = values[..., : stop - start, :]
+        pos = max(self.keep, end - self.ring, start)
+        while pos < end:  # at most two contiguous pieces: before and after the wrap
+            slot = self.keep + (pos - self.keep) % self.ring
+            n = min(end - pos, self.slots - slot)
+            self.keys[..., slot : slot + n, :] = keys[..., pos - start : pos - start + n, :]
+            self.values[..., slot : slot + n, :] = values[..., pos - start : pos - start + n, :]
+            pos += n
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the new (B, n_kv_heads, L, head_dim) keys/values; return what attention reads,
+        in the slot layout `make_mask` describes."""
+        if self.keys is None:
+            b, h, _, d = keys.shape
+            self.keys = mx.zeros((b, h, self.slots, d), keys.dtype)
+            self.values = mx.zeros((b, h, self.slots, values.shape[3]), values.dtype)
+        n = keys.shape[2]
+        if self._in_place(n):
+            self._write(keys, values)
+            self.offset += n
+            return self.keys, self.values
+        old_k, old_v = self.keys, self.values
+        out = (mx.concatenate([old_k, keys], axis=2), mx.concatenate([old_v, values], axis=2))
+        self._write(keys, values)
+        self.offset += n
+        return out
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the newest n positions (O(1)); returns how many were forgotten."""
+        n = min(self.offset, n)
+        if n > self.margin + 1 and self.offset > self.slots:
+            raise ValueError(
+                f"cannot roll back {n} tokens of a wrapped rotating cache; at most "
+                f"margin + 1 = {self.margin + 1}"
+            )
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def size(self) -> int:
+        return min(self.offset, self.max_kv_size)
+
+    def empty(self) -> bool:
+        return self.keys is None

@@ -26,6 +26,7 @@ FLAGS = {
     "k": "--num-draft-tokens",
     "max_tokens": "--max-tokens",
     "prompt": "--prompt",
+    "max_kv_size": "--max-kv-size",
 }
 
 
@@ -51,11 +52,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", default="0", help="keep the k most likely tokens (0 = off)")
     p.add_argument("--min-p", default="0.0", help="min-p in [0, 1) (0 = off)")
     p.add_argument("--seed", default=None, help="random seed for sampling")
+    p.add_argument("--max-kv-size", default=None,
+                   help="bound each KV cache to this many positions (default: unbounded)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="weight dtype (default float32 on CPU, float16 on GPU)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--verbose", action="store_true", help="print the models and settings used")
     return p
+
+
+def _flag_message(err: ParameterError) -> str:
+    """The API's range error, naming the flag the user typed."""
+    return f"{FLAGS.get(err.name, err.name)} must be {err.allowed} (got {err.value!r})"
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -74,14 +82,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
     """Convert and validate every value before loading a model: a wrong flag costs nothing.
     Numbers arrive as strings so that a non-number gets the same one-line message as a bad range."""
     for name, kind in [("k", int), ("max_tokens", int), ("temp", float), ("top_p", float),
-                       ("top_k", int), ("min_p", float), ("seed", int)]:
+                       ("top_k", int), ("min_p", float), ("seed", int), ("max_kv_size", int)]:
         setattr(args, name, _number(getattr(args, name), kind))
     try:
         sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
         check_int("k", args.k, 1, MAX_DRAFT_TOKENS)
         check_int("max_tokens", args.max_tokens, 1)
     except ParameterError as err:
-        _fail(parser, f"{FLAGS.get(err.name, err.name)} must be {err.allowed} (got {err.value!r})")
+        _fail(parser, _flag_message(err))
     return sampling
 
 
@@ -106,28 +114,42 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype)
         ids = _prompt_ids(tokenizer, text, args.chat)
+        steps = stream_generate(
+            target, draft, tokenizer, ids, k=args.k, max_tokens=args.max_tokens,
+            temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            seed=args.seed, max_kv_size=args.max_kv_size,
+        )
+    except ParameterError as err:
+        _fail(parser, _flag_message(err))
     except (ModelLoadError, ValueError) as err:
         _fail(parser, str(err))
     if args.verbose:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT
         print(f"target: {args.target or 'bundled demo target'}; draft: {draft_name}; "
               f"k={args.k}; {sampling}", file=sys.stderr)
-    detok = tokenizer.detokenizer
+    return _stream_text(steps, tokenizer)
+
+
+def _stream_text(steps, tokenizer) -> int:
+    """Print text as tokens are accepted, then the stats line on stderr. Ctrl-C stops cleanly
+    (the generator is closed, so its caches are rolled back) with status 130."""
+    detok, eos = tokenizer.detokenizer, speculative.eos_ids(tokenizer)
     detok.reset()
-    stats = None
-    for token in stream_generate(
-        target, draft, tokenizer, ids, k=args.k, max_tokens=args.max_tokens,
-        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.seed,
-    ):
-        stats = token.stats
-        if token.id not in speculative.eos_ids(tokenizer):
-            detok.add_token(token.id)
-            print(detok.last_segment, end="", flush=True)
+    stats, code = None, 0
+    try:
+        for token in steps:
+            stats = token.stats
+            if token.id not in eos:
+                detok.add_token(token.id)
+                print(detok.last_segment, end="", flush=True)
+    except KeyboardInterrupt:
+        steps.close()
+        code = 130
     detok.finalize()
     print(detok.last_segment, flush=True)
-    print(stats.summary(), file=sys.stderr)
-    return 0
+    if stats is not None:
+        print(stats.summary(), file=sys.stderr)
+    return code
 
 
 class _CallableModule(types.ModuleType):

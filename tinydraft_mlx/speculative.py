@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import Cache, cache_length, make_cache, rollback
+from .cache import KEEP, Cache, cache_length, make_cache, rollback
 from .rejection import greedy_accept, speculative_accept
 from .sampling import ParameterError, SamplingParams, check_int, warp
 from .stats import GenerationStats
@@ -61,7 +61,12 @@ def prefill(model: nn.Module, cache: Cache, tokens: list[int], step: int = PREFI
 
 
 def _draft_chain(
-    draft: nn.Module, cache: Cache, unseen: list[int], k: int, params: SamplingParams, key: mx.array
+    draft: nn.Module,
+    cache: Cache,
+    unseen: list[int],
+    k: int,
+    params: SamplingParams,
+    key: mx.array | None,
 ) -> tuple[mx.array, mx.array | None]:
     """Propose k tokens. Returns draft tokens (k,) and, when sampling, their distributions q (k, V).
 
@@ -91,7 +96,7 @@ def _verify(
     drafts: mx.array,
     q: mx.array | None,
     params: SamplingParams,
-    key: mx.array,
+    key: mx.array | None,
 ) -> list[int]:
     """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync."""
     x = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
@@ -152,7 +157,9 @@ def decode(
             start = time.perf_counter()
             # never draft more than can be emitted: a round emits up to k_round + 1 tokens
             k_round = min(k, max_tokens - stats.generated - 1) if draft is not None else 0
-            key, draft_key, verify_key = mx.random.split(key, 3)
+            draft_key = verify_key = None  # greedy rounds use no randomness
+            if not sampling.greedy:
+                key, draft_key, verify_key = mx.random.split(key, 3)
             if k_round:
                 unseen = seq[cache_length(draft_cache) :]
                 drafts, q = _draft_chain(draft, draft_cache, unseen, k_round, sampling, draft_key)
@@ -220,20 +227,30 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
+    max_kv_size: int | None = None,
 ) -> Iterator[Token]:
     """Generate from `target`, drafting with `draft` (None: plain decoding), yielding each `Token`
     as it is accepted. Output is distributed exactly as plain sampling from `target` with the same
     warp (greedy when temperature is 0: token-identical to plain greedy decoding). Generation ends
-    after `max_tokens` tokens or an EOS token (which is emitted). Every argument is checked before
-    any work starts (ValueError naming the parameter)."""
+    after `max_tokens` tokens or an EOS token (which is emitted).
+
+    `max_kv_size` W bounds both caches: each token attends to the first 4 positions and the most
+    recent W - 4 (as mlx-lm's rotating cache), and output equals plain decoding with the same W.
+    Every argument is checked before any work starts (ValueError naming the parameter)."""
     sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
     if draft is not None:
         check_int("k", k, 1, MAX_DRAFT_TOKENS)
     check_int("max_tokens", max_tokens, 1)
     ids = encode_prompt(tokenizer, prompt, vocab_width(target))
+    k_eff = k if draft is not None else 0
+    if max_kv_size is not None:
+        check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
+    margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
+    target_cache = make_cache(target, max_kv_size, margin)
+    draft_cache = make_cache(draft, max_kv_size, margin) if draft is not None else None
     return decode(
         target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
-        eos_token_ids=eos_ids(tokenizer),
+        eos_token_ids=eos_ids(tokenizer), target_cache=target_cache, draft_cache=draft_cache,
     )
 
 
@@ -250,11 +267,12 @@ def generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
+    max_kv_size: int | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Like `stream_generate`, collected: returns (generated token ids, stats)."""
     steps = stream_generate(
         target, draft, tokenizer, prompt, k=k, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_kv_size=max_kv_size,
     )
     tokens = list(steps)
     return [t.id for t in tokens], tokens[-1].stats
