@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+import tinydraft_mlx  # noqa: F401  (first: its BLAS preload must precede any `import mlx.core`)
 from tests.fixtures import build_other_tokenizer, build_pair, build_unrelated
 
 

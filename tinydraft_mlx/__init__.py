@@ -1,11 +1,16 @@
 """tinydraft-mlx: exact speculative decoding on Apple MLX."""
 
+from .backend import active_blas, preload_blas
+
+preload_blas()  # must precede the first `import mlx.core` (see backend.py)
+
 from .loading import ModelLoadError, load_models
 from .sampling import ParameterError, SamplingParams, warp
 from .speculative import Token, generate, stream_generate
 from .stats import GenerationStats
 
 __all__ = [
+    "active_blas",
     "GenerationStats",
     "ModelLoadError",
     "ParameterError",

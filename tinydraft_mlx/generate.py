@@ -12,6 +12,7 @@ import types
 from typing import NoReturn
 
 from . import speculative
+from .backend import active_blas, device_name
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
 from .sampling import ParameterError, SamplingParams, check_int
 from .speculative import MAX_DRAFT_TOKENS, encode_prompt, stream_generate
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT
         print(f"target: {args.target or 'bundled demo target'}; draft: {draft_name}; "
-              f"k={args.k}; {sampling}", file=sys.stderr)
+              f"k={args.k}; {sampling}; {device_name()} backend, BLAS: {active_blas()}",
+              file=sys.stderr)
     return _stream_text(steps, tokenizer)
 
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
-from .backend import resolve_dtype
+from .backend import resolve_dtype, warn_if_slow_blas
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 NO_DRAFT = "none"
@@ -136,6 +136,7 @@ def load_models(
     float16 on a GPU.
     """
     resolve_dtype(dtype)  # fail on a bad dtype before loading anything
+    warn_if_slow_blas()
     if target is None:
         if not (DEMO_DIR / "target" / "config.json").is_file():
             raise ModelLoadError("no target given and the bundled demo pair is not installed")

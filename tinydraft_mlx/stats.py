@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .backend import active_blas
+
 
 @dataclass
 class GenerationStats:
@@ -27,6 +29,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str | None = None  # "length", "eos" or "closed"
+    blas: str = field(default_factory=active_blas)  # which BLAS MLX's CPU backend used
 
     def record_round(self, drafted: int, accepted: int) -> None:
         """Book one verify round: `drafted` proposals of which the first `accepted` were kept."""
