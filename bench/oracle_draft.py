@@ -1,0 +1,46 @@
+"""A draft with controlled acceptance for benchmarks: it runs a real draft model (paying its full
+forward cost) and then, at each position, proposes the target's own greedy continuation with
+probability alpha and a token the target will reject otherwise.
+
+It is a plain model callable (`model(inputs, cache=cache)` -> logits, `.layers` for cache sizing),
+so it drives tinydraft_mlx.generate and mlx-lm's speculative_generate_step alike. The decision at a
+position is a pure function of (seed, position), so rolling back and re-drafting a position, or
+another engine drafting it, gives the same proposal: contenders see the same alpha.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+class OracleDraft:
+    def __init__(self, draft, reference: list[int], alpha: float, seed: int = 0):
+        """reference: prompt + the target's greedy continuation (known in advance)."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] (got {alpha})")
+        self.draft, self.reference, self.alpha, self.seed = draft, list(reference), alpha, seed
+        self.layers = draft.layers
+        self.args = draft.args
+
+    def _proposal(self, position: int) -> int | None:
+        """The token to propose after absolute `position`, or None past the reference."""
+        if position + 1 >= len(self.reference):
+            return None
+        right = self.reference[position + 1]
+        u = np.random.default_rng([self.seed, position]).random()
+        return right if u < self.alpha else (right + 1) % self.args.vocab_size
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        start = cache[0].offset if cache else 0
+        logits = self.draft(inputs, cache=cache)  # (1, L, V): the real cost
+        width = logits.shape[-1]
+        rows = []
+        for j in range(inputs.shape[1]):
+            token = self._proposal(start + j)
+            if token is None:
+                rows.append(logits[:, j])
+            else:  # a decisive one-hot in the draft's dtype, built after paying the forward
+                rows.append(mx.where(mx.arange(width) == token, 30.0, -30.0)[None]
+                            .astype(logits.dtype) + 0 * logits[:, j])
+        return mx.stack(rows, axis=1)
