@@ -1,0 +1,198 @@
+"""Head-to-head benchmark: plain and speculative decoding, ours vs mlx-lm, same models, prompts
+and settings, after a warm-up; per-round cost decomposition and the Leviathan prediction.
+
+    python bench/bench.py --name demo_t0                              # the demo pair, greedy
+    python bench/bench.py --target ~/.cache/tinydraft-mlx/shapes/1.5B \\
+        --draft ~/.cache/tinydraft-mlx/shapes/0.5B --oracle-alpha 0.5 0.7 0.9 --ks 1 2 3 4 \\
+        --prompts 2 --max-tokens 32 --name shapes_0.5B_1.5B
+
+Writes results/<name>.json (machine, versions, BLAS, dtype, settings, raw per-run figures) and
+results/<name>.png. Tokens/s are decode-only for every contender: from the first generated token
+to the last, so prefill is excluded the same way for ours and mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from common import machine
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.sample_utils import make_sampler
+from oracle_draft import OracleDraft
+
+from tinydraft_mlx import active_blas, load_models, stream_generate
+from tinydraft_mlx.cache import make_cache, rollback
+from tinydraft_mlx.speculative import prefill
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+    "    for key, value in sorted(mapping.items()):\n",
+    "def fibonacci(n):\n    if n < 2:\n",
+]
+
+
+def _decode_rate(items) -> tuple[list[int], float, list]:
+    """Consume (token id, extra) pairs as they are produced; return ids, decode tokens/s (first
+    token to last) and the extras."""
+    ids, extras, first = [], [], None
+    for token, extra in items:
+        if first is None:
+            first = time.perf_counter()
+        ids.append(token)
+        extras.append(extra)
+    elapsed = time.perf_counter() - first
+    return ids, (len(ids) - 1) / elapsed if elapsed > 0 else 0.0, extras
+
+
+def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed):
+    steps = stream_generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
+                            temperature=temp, seed=seed)
+    out, rate, tokens = _decode_rate((t.id, t) for t in steps)
+    return out, rate, tokens[-1].stats
+
+
+def theirs(target, draft, ids, *, k, max_tokens, temp, seed):
+    """mlx-lm's own loops; returns ids, decode tokens/s, fraction of tokens from the draft."""
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=temp)
+    if draft is None:
+        gen = generate_step(mx.array(ids), target, max_tokens=max_tokens, sampler=sampler)
+        out, rate, _ = _decode_rate((int(t), False) for t, _ in gen)
+        return out, rate, 0.0
+    gen = speculative_generate_step(mx.array(ids), target, draft, num_draft_tokens=k,
+                                    max_tokens=max_tokens, sampler=sampler)
+    out, rate, from_draft = _decode_rate((int(t), fd) for t, _, fd in gen)
+    return out, rate, sum(from_draft) / len(from_draft)
+
+
+def forward_ms(model, ids, n, repeats=5) -> float:
+    """Median time of one cached forward over n tokens after `ids` (then rolled back)."""
+    cache = make_cache(model)
+    prefill(model, cache, ids)
+    times = []
+    for _ in range(repeats + 1):
+        x = mx.array([ids[-1]] * n, dtype=mx.int32)[None]
+        start = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        times.append(time.perf_counter() - start)
+        rollback(cache, len(ids))
+    return 1000 * statistics.median(times[1:])
+
+
+def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float:
+    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected * t_1 / (k * t_d + t_v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--oracle-alpha", type=float, nargs="*", default=[])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", required=True)
+    args = ap.parse_args()
+    target, draft, tok = load_models(args.target, args.draft)
+    prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
+    kw = dict(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed)
+    ours(target, draft, tok, prompts[0], k=2, max_tokens=8, temp=args.temp, seed=0)  # warm-up
+    theirs(target, draft, prompts[0], k=2, max_tokens=8, temp=args.temp, seed=0)
+
+    plain = {"ours": [], "mlx_lm": []}
+    references = []
+    for ids in prompts:
+        out, rate, _ = ours(target, None, tok, ids, k=1, **kw)
+        plain["ours"].append(rate)
+        references.append(ids + out)
+        plain["mlx_lm"].append(theirs(target, None, ids, k=1, **kw)[1])
+    t_1 = forward_ms(target, prompts[0], 1)
+    t_d = forward_ms(draft, prompts[0], 1)
+    t_v = {n: forward_ms(target, prompts[0], n) for n in range(1, max(args.ks) + 2)}
+
+    runs = []
+    for alpha in args.oracle_alpha or [None]:
+        for k in args.ks:
+            row = {"alpha_oracle": alpha, "k": k, "ours": [], "mlx_lm": [], "mlx_lm_from_draft": [],
+                   "acceptance": [], "per_position": [], "rounds": [], "decode_s": []}
+            for ids, ref in zip(prompts, references):
+                d = OracleDraft(draft, ref, alpha, args.seed) if alpha is not None else draft
+                _, rate, stats = ours(target, d, tok, ids, k=k, **kw)
+                row["ours"].append(rate)
+                row["acceptance"].append(stats.acceptance_rate)
+                row["per_position"].append(stats.per_position_acceptance)
+                row["rounds"].append(stats.rounds)
+                row["decode_s"].append(stats.decode_seconds)
+                _, their_rate, from_draft = theirs(target, d, ids, k=k, **kw)
+                row["mlx_lm"].append(their_rate)
+                row["mlx_lm_from_draft"].append(from_draft)
+            alpha_hat = statistics.mean(row["acceptance"])
+            positions = [p for pp in row["per_position"] for p in pp[:1]]
+            alpha_pos = statistics.mean(positions) if positions else 0.0
+            row["speedup_ours"] = statistics.mean(row["ours"]) / statistics.mean(plain["ours"])
+            row["speedup_mlx_lm"] = statistics.mean(row["mlx_lm"]) / statistics.mean(plain["ours"])
+            row["ours_vs_mlx_lm"] = statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm"])
+            row["predicted_speedup"] = leviathan(alpha_pos, k, t_d, t_1, t_v[k + 1])
+            round_ms = 1000 * sum(row["decode_s"]) / sum(row["rounds"])
+            row["round_ms"] = round_ms
+            row["overhead_fraction"] = max(0.0, round_ms - (k * t_d + t_v[k + 1])) / round_ms
+            row["acceptance_mean"] = alpha_hat
+            runs.append(row)
+            print(f"alpha={alpha} k={k}: ours {row['speedup_ours']:.2f}x plain, "
+                  f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f}, "
+                  f"predicted {row['predicted_speedup']:.2f}x, acceptance {alpha_hat:.2f}, "
+                  f"overhead {row['overhead_fraction']:.1%}", flush=True)
+
+    report = {
+        "settings": {**vars(args), "dtype": "float32" if str(mx.default_device()) != "gpu"
+                     else "float16", "blas": active_blas()},
+        "machine": machine(),
+        "costs_ms": {"t_1": t_1, "t_d": t_d, "t_v": t_v},
+        "plain": plain,
+        "runs": runs,
+    }
+    out = ROOT / "results" / f"{args.name}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out.with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    alphas = sorted({r["alpha_oracle"] for r in report["runs"]}, key=lambda a: (a is None, a))
+    for alpha in alphas:
+        rows = [r for r in report["runs"] if r["alpha_oracle"] == alpha]
+        ks = [r["k"] for r in rows]
+        label = f"alpha={alpha}" if alpha is not None else "real draft"
+        line = ax.plot(ks, [r["speedup_ours"] for r in rows], marker="o", label=f"ours, {label}")
+        color = line[0].get_color()
+        ax.plot(ks, [r["speedup_mlx_lm"] for r in rows], marker="x", ls=":", color=color,
+                label=f"mlx-lm, {label}")
+        ax.plot(ks, [r["predicted_speedup"] for r in rows], ls="--", color=color, alpha=0.5,
+                label=f"predicted, {label}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set(xlabel="draft tokens per round (k)", ylabel="decode tokens/s vs our plain decoding",
+           title=f"{report['settings']['name']} (BLAS: {report['settings']['blas'][:20]})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
