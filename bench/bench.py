@@ -13,6 +13,7 @@ to the last, so prefill is excluded the same way for ours and mlx-lm's.
 
 from __future__ import annotations
 
+import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import argparse
 import json
 import statistics

@@ -6,6 +6,7 @@ peak memory and tokens/s along the run, speculative and plain.
 
 from __future__ import annotations
 
+import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import argparse
 import json
 import time

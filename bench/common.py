@@ -1,13 +1,13 @@
-"""What every benchmark records about the machine it ran on."""
+"""What every benchmark records about the machine it ran on. Import this module before anything
+that imports mlx.core: importing tinydraft_mlx first lets its BLAS preload take effect."""
 
 from __future__ import annotations
 
 import platform
 
+import tinydraft_mlx  # isort: skip  (before mlx.core, for the BLAS preload)
 import mlx.core as mx
 import mlx_lm
-
-import tinydraft_mlx
 
 
 def machine() -> dict:
@@ -18,5 +18,5 @@ def machine() -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "tinydraft_mlx": tinydraft_mlx.__version__,
-        "blas": "the mlx wheel's own (reference BLAS on Linux CPU)",
+        "blas": tinydraft_mlx.active_blas(),
     }

@@ -6,6 +6,7 @@ per-position acceptance curve, plain vs speculative tokens/s side by side, and g
 
 from __future__ import annotations
 
+import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import argparse
 import json
 import random
@@ -69,7 +70,8 @@ def plot(report: dict, path: Path) -> None:
         curve = res["per_position"]
         left.plot(range(1, len(curve) + 1), curve, marker="o",
                   label=f"{name}: overall {res['acceptance']:.2f}")
-    left.axhline(0.55, color="grey", ls="--", lw=1, label="bar (greedy): 0.55")
+    left.axhline(0.55, color="grey", ls="--", lw=1, label="bar for greedy overall: 0.55")
+    left.set_xticks(range(1, report["settings"]["k"] + 1))
     left.set(xlabel="draft position in a round", ylabel="P(accept | reached)", ylim=(0, 1),
              title=f"Demo pair acceptance, k={report['settings']['k']}, "
                    f"{report['settings']['prompts']} held-out prompts")
