@@ -26,7 +26,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 from oracle_draft import OracleDraft
 
-from tinydraft_mlx import active_blas, load_models, stream_generate
+from tinydraft_mlx import active_blas, load_models, skinny, stream_generate
 from tinydraft_mlx.cache import make_cache, rollback
 from tinydraft_mlx.speculative import prefill
 
@@ -62,17 +62,27 @@ def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed):
 
 
 def theirs(target, draft, ids, *, k, max_tokens, temp, seed):
-    """mlx-lm's own loops; returns ids, decode tokens/s, fraction of tokens from the draft."""
+    """mlx-lm's own loops on stock mlx modules (our skinny matmul switched off for the run);
+    returns ids, decode tokens/s and per token whether it came from the draft."""
+    models = [m for m in (target, getattr(draft, "draft", draft)) if m is not None]
+    for m in models:
+        skinny.disable(m)
+    try:
+        return _theirs(target, draft, ids, k=k, max_tokens=max_tokens, temp=temp, seed=seed)
+    finally:
+        for m in models:
+            skinny.enable(m)
+
+
+def _theirs(target, draft, ids, *, k, max_tokens, temp, seed):
     mx.random.seed(seed)
     sampler = make_sampler(temp=temp)
     if draft is None:
         gen = generate_step(mx.array(ids), target, max_tokens=max_tokens, sampler=sampler)
-        out, rate, _ = _decode_rate((int(t), False) for t, _ in gen)
-        return out, rate, 0.0
+        return _decode_rate((int(t), False) for t, _ in gen)
     gen = speculative_generate_step(mx.array(ids), target, draft, num_draft_tokens=k,
                                     max_tokens=max_tokens, sampler=sampler)
-    out, rate, from_draft = _decode_rate((int(t), fd) for t, _, fd in gen)
-    return out, rate, sum(from_draft) / len(from_draft)
+    return _decode_rate((int(t), bool(fd)) for t, _, fd in gen)
 
 
 def forward_ms(model, ids, n, repeats=5) -> float:
@@ -94,6 +104,61 @@ def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float
     return expected * t_1 / (k * t_d + t_v)
 
 
+def mlx_lm_acceptance(from_draft: list[bool], k: int, max_tokens: int) -> float:
+    """Accepted / drafted for mlx-lm's loop, from its per-token from_draft flags: a round drafts
+    min(k, tokens left) and yields its accepted drafts (True) then one target token (False)."""
+    drafted = accepted = emitted = 0
+    pending = True  # at the start of a round
+    for flag in from_draft:
+        if pending:
+            drafted += min(k, max_tokens - emitted)
+            pending = False
+        accepted += flag
+        emitted += 1
+        pending = not flag
+    return accepted / drafted if drafted else 0.0
+
+
+def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs, plain) -> dict:
+    """Ours and mlx-lm's speculative loops on every prompt at one (temperature, alpha, k)."""
+    t_d, t_1, t_v = costs
+    kw = dict(max_tokens=args.max_tokens, temp=temp, seed=args.seed)
+    row = {"temp": temp, "alpha_oracle": alpha, "k": k, "ours": [], "mlx_lm": [],
+           "mlx_lm_from_draft": [], "mlx_lm_acceptance": [], "acceptance": [],
+           "per_position": [], "rounds": [], "decode_s": []}
+    for ids, ref in zip(prompts, references):
+        d = OracleDraft(draft, ref, alpha, args.seed) if alpha is not None else draft
+        _, rate, stats = ours(target, d, tok, ids, k=k, **kw)
+        row["ours"].append(rate)
+        row["acceptance"].append(stats.acceptance_rate)
+        row["per_position"].append(stats.per_position_acceptance)
+        row["rounds"].append(stats.rounds)
+        row["decode_s"].append(stats.decode_seconds)
+        _, their_rate, flags = theirs(target, d, ids, k=k, **kw)
+        row["mlx_lm"].append(their_rate)
+        row["mlx_lm_from_draft"].append(sum(flags) / len(flags))
+        row["mlx_lm_acceptance"].append(mlx_lm_acceptance(flags, k, args.max_tokens))
+    positions = [p for pp in row["per_position"] for p in pp[:1]]
+    alpha_pos = statistics.mean(positions) if positions else 0.0
+    row["speedup_ours"] = statistics.mean(row["ours"]) / statistics.mean(plain["ours"])
+    row["speedup_mlx_lm"] = statistics.mean(row["mlx_lm"]) / statistics.mean(plain["ours"])
+    row["ours_vs_mlx_lm"] = statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm"])
+    row["predicted_speedup"] = leviathan(alpha_pos, k, t_d, t_1, t_v[k + 1])
+    row["measured_vs_predicted"] = row["speedup_ours"] / row["predicted_speedup"]
+    round_ms = 1000 * sum(row["decode_s"]) / sum(row["rounds"])
+    row["round_ms"] = round_ms
+    row["model_round_ms"] = k * t_d + t_v[k + 1]
+    row["overhead_fraction"] = max(0.0, round_ms - row["model_round_ms"]) / round_ms
+    row["acceptance_mean"] = statistics.mean(row["acceptance"])
+    row["mlx_lm_acceptance_mean"] = statistics.mean(row["mlx_lm_acceptance"])
+    print(f"T={temp} alpha={alpha} k={k}: ours {row['speedup_ours']:.2f}x plain, "
+          f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f}, "
+          f"predicted {row['predicted_speedup']:.2f}x, acceptance {row['acceptance_mean']:.2f} "
+          f"(mlx-lm {row['mlx_lm_acceptance_mean']:.2f}), overhead {row['overhead_fraction']:.1%}",
+          flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None)
@@ -101,18 +166,20 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--temp", type=float, nargs="+", default=[0.0])
     ap.add_argument("--oracle-alpha", type=float, nargs="*", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", required=True)
     args = ap.parse_args()
     target, draft, tok = load_models(args.target, args.draft)
+    n_skinny = sum(1 for m in (target, draft) for _, x in m.named_modules()
+                   if type(x).__name__.startswith("Skinny"))
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
-    kw = dict(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed)
-    ours(target, draft, tok, prompts[0], k=2, max_tokens=8, temp=args.temp, seed=0)  # warm-up
-    theirs(target, draft, prompts[0], k=2, max_tokens=8, temp=args.temp, seed=0)
+    kw = dict(max_tokens=args.max_tokens, temp=0.0, seed=args.seed)
+    ours(target, draft, tok, prompts[0], k=2, max_tokens=8, temp=0.0, seed=0)  # warm-up
+    theirs(target, draft, prompts[0], k=2, max_tokens=8, temp=0.0, seed=0)
 
-    plain = {"ours": [], "mlx_lm": []}
+    plain = {"ours": [], "mlx_lm": []}  # greedy: plain decoding's speed does not depend on T
     references = []
     for ids in prompts:
         out, rate, _ = ours(target, None, tok, ids, k=1, **kw)
@@ -124,41 +191,15 @@ def main() -> None:
     t_v = {n: forward_ms(target, prompts[0], n) for n in range(1, max(args.ks) + 2)}
 
     runs = []
-    for alpha in args.oracle_alpha or [None]:
-        for k in args.ks:
-            row = {"alpha_oracle": alpha, "k": k, "ours": [], "mlx_lm": [], "mlx_lm_from_draft": [],
-                   "acceptance": [], "per_position": [], "rounds": [], "decode_s": []}
-            for ids, ref in zip(prompts, references):
-                d = OracleDraft(draft, ref, alpha, args.seed) if alpha is not None else draft
-                _, rate, stats = ours(target, d, tok, ids, k=k, **kw)
-                row["ours"].append(rate)
-                row["acceptance"].append(stats.acceptance_rate)
-                row["per_position"].append(stats.per_position_acceptance)
-                row["rounds"].append(stats.rounds)
-                row["decode_s"].append(stats.decode_seconds)
-                _, their_rate, from_draft = theirs(target, d, ids, k=k, **kw)
-                row["mlx_lm"].append(their_rate)
-                row["mlx_lm_from_draft"].append(from_draft)
-            alpha_hat = statistics.mean(row["acceptance"])
-            positions = [p for pp in row["per_position"] for p in pp[:1]]
-            alpha_pos = statistics.mean(positions) if positions else 0.0
-            row["speedup_ours"] = statistics.mean(row["ours"]) / statistics.mean(plain["ours"])
-            row["speedup_mlx_lm"] = statistics.mean(row["mlx_lm"]) / statistics.mean(plain["ours"])
-            row["ours_vs_mlx_lm"] = statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm"])
-            row["predicted_speedup"] = leviathan(alpha_pos, k, t_d, t_1, t_v[k + 1])
-            round_ms = 1000 * sum(row["decode_s"]) / sum(row["rounds"])
-            row["round_ms"] = round_ms
-            row["overhead_fraction"] = max(0.0, round_ms - (k * t_d + t_v[k + 1])) / round_ms
-            row["acceptance_mean"] = alpha_hat
-            runs.append(row)
-            print(f"alpha={alpha} k={k}: ours {row['speedup_ours']:.2f}x plain, "
-                  f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f}, "
-                  f"predicted {row['predicted_speedup']:.2f}x, acceptance {alpha_hat:.2f}, "
-                  f"overhead {row['overhead_fraction']:.1%}", flush=True)
+    for temp in args.temp:
+        for alpha in args.oracle_alpha or [None]:
+            for k in args.ks:
+                runs.append(cell(target, draft, tok, prompts, references, alpha, k, temp, args,
+                                 costs=(t_d, t_1, t_v), plain=plain))
 
     report = {
         "settings": {**vars(args), "dtype": "float32" if str(mx.default_device()) != "gpu"
-                     else "float16", "blas": active_blas()},
+                     else "float16", "blas": active_blas(), "skinny_matmul_modules": n_skinny},
         "machine": machine(),
         "costs_ms": {"t_1": t_1, "t_d": t_d, "t_v": t_v},
         "plain": plain,
@@ -175,22 +216,30 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    alphas = sorted({r["alpha_oracle"] for r in report["runs"]}, key=lambda a: (a is None, a))
-    for alpha in alphas:
-        rows = [r for r in report["runs"] if r["alpha_oracle"] == alpha]
+    fig, (ax, acc) = plt.subplots(1, 2, figsize=(12, 4.8))
+    groups = sorted({(r["temp"], r["alpha_oracle"]) for r in report["runs"]},
+                    key=lambda g: (g[0], g[1] is None, g[1]))
+    for temp, alpha in groups:
+        rows = [r for r in report["runs"] if (r["temp"], r["alpha_oracle"]) == (temp, alpha)]
         ks = [r["k"] for r in rows]
-        label = f"alpha={alpha}" if alpha is not None else "real draft"
+        label = f"T={temp}, " + (f"alpha={alpha}" if alpha is not None else "real draft")
         line = ax.plot(ks, [r["speedup_ours"] for r in rows], marker="o", label=f"ours, {label}")
         color = line[0].get_color()
         ax.plot(ks, [r["speedup_mlx_lm"] for r in rows], marker="x", ls=":", color=color,
                 label=f"mlx-lm, {label}")
         ax.plot(ks, [r["predicted_speedup"] for r in rows], ls="--", color=color, alpha=0.5,
                 label=f"predicted, {label}")
+        acc.plot(ks, [r["acceptance_mean"] for r in rows], marker="o", color=color,
+                 label=f"ours, {label}")
+        acc.plot(ks, [r["mlx_lm_acceptance_mean"] for r in rows], marker="x", ls=":",
+                 color=color, label=f"mlx-lm, {label}")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set(xlabel="draft tokens per round (k)", ylabel="decode tokens/s vs our plain decoding",
-           title=f"{report['settings']['name']} (BLAS: {report['settings']['blas'][:20]})")
-    ax.legend(fontsize=7, ncol=2)
+           title=f"{report['settings']['name']}: speed (BLAS {report['settings']['blas'][:12]})")
+    acc.set(xlabel="draft tokens per round (k)", ylabel="accepted / drafted", ylim=(0, 1.05),
+            title="acceptance")
+    ax.legend(fontsize=6, ncol=2)
+    acc.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

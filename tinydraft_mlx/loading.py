@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 
+from . import skinny
 from .backend import resolve_dtype, warn_if_slow_blas
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
@@ -134,6 +135,9 @@ def load_models(
     draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft.
     dtype: "float32", "float16", "bfloat16" or an mx.Dtype; default float32 on the CPU backend and
     float16 on a GPU.
+
+    On the CPU backend both models' large projections take the skinny-matmul path (see
+    `tinydraft_mlx.skinny`; `skinny.disable(model)` turns it off).
     """
     resolve_dtype(dtype)  # fail on a bad dtype before loading anything
     warn_if_slow_blas()
@@ -145,8 +149,10 @@ def load_models(
     elif draft is None:
         draft = default_draft(str(target))
     target_model, tokenizer = load_model(target, dtype)
+    skinny.enable(target_model)
     if draft is None or str(draft).lower() == NO_DRAFT:
         return target_model, None, tokenizer
     draft_model, draft_tokenizer = load_model(draft, dtype)
     check_tokenizers(tokenizer, draft_tokenizer)
+    skinny.enable(draft_model)
     return target_model, draft_model, tokenizer
