@@ -157,7 +157,9 @@ def test_api_name_survives_importing_the_cli(pair):
 
 BAD_CALLS = [
     (dict(k=0), "k must be an integer in [1, 64]"),
-    (dict(k=65), "k must be an integer in [1, 64]"),
+    (dict(k=65), 'k must be an integer in [1, 64] or "auto"'),
+    (dict(k="automatic"), 'k must be an integer in [1, 64] or "auto" (got \'automatic\')'),
+    (dict(draft="lookup"), 'draft must be a model, "prompt-lookup" or None'),
     (dict(k=2.0), "k must be an integer"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
@@ -178,6 +180,7 @@ def test_bad_input_raises_before_any_work(pair, kwargs, message):
     target, draft, tok = pair
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", PROMPT)
+    draft = kwargs.pop("draft", draft)
     with pytest.raises(ValueError) as err:
         stream_generate(target, draft, tok, prompt, **kwargs)  # raises at the call, not on next()
     assert message in str(err.value)

@@ -6,7 +6,7 @@ width, sharing one tokenizer, written by transformers 5 and loaded through load_
 
 import pytest
 
-from tinydraft_mlx import generate, load_models
+from tinydraft_mlx import PromptLookup, generate, load_models
 
 PROMPTS = [
     "def parse_args(self, args=None, namespace=None):",
@@ -77,3 +77,62 @@ def test_unrelated_draft_still_matches(checkpoints, references):
         assert out == ref
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
     assert accepted / drafted < 0.05
+
+
+@pytest.mark.parametrize("k", [2, 5, "auto"])
+def test_prompt_lookup_matches_oracle(pair, references, k):
+    """Unigram matches make lookup draft often here; a random model rarely copies, so this mostly
+    exercises rejections. Accepted copies are covered on the trained demo pair (test_demo)."""
+    target, _, tok = pair
+    drafted = 0
+    for ids, ref in references.values():
+        out, stats = generate(target, PromptLookup(min_ngram=1), tok, ids, k=k,
+                              max_tokens=NEW_TOKENS)
+        assert out == ref
+        drafted += stats.drafted
+    if k != "auto":  # auto may (correctly) stop drafting when lookup keeps failing
+        assert drafted > 0
+
+
+class _Scripted:
+    """A stand-in for DraftLengthPolicy that plays a fixed schedule of k, cycling: long plain
+    stretches (the draft falls behind and must catch up), k up to 8, and k = 1."""
+
+    SCHEDULE = [0, 0, 0, 0, 3, 1, 0, 8, 2, 0, 0, 5, 1, 1, 4]
+
+    def __init__(self, *args, **kwargs):
+        self.rounds = 0
+
+    def choose(self, limit):
+        k = self.SCHEDULE[self.rounds % len(self.SCHEDULE)]
+        self.rounds += 1
+        return min(k, limit)
+
+    def update(self, k, accepted, seconds):
+        pass
+
+
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkeypatch):
+    """k="auto" only changes k between rounds; any schedule of k must stay exact. A scripted
+    schedule makes that independent of this machine's timings."""
+    import tinydraft_mlx.speculative as spec
+
+    monkeypatch.setattr(spec, "DraftLengthPolicy", _Scripted)
+    target, draft, tok = pair
+    for ids, ref in references.values():
+        d = draft if drafter == "model" else drafter
+        out, stats = generate(target, d, tok, ids, k="auto", max_tokens=NEW_TOKENS)
+        assert out == ref
+        assert sum(stats.k_histogram.values()) == stats.rounds
+        if drafter == "model":
+            assert set(stats.k_histogram) >= {0, 1, 3, 8}
+
+
+def test_auto_with_its_real_policy_matches_oracle(pair, references):
+    target, draft, tok = pair
+    for ids, ref in references.values():
+        out, stats = generate(target, draft, tok, ids, k="auto", max_tokens=NEW_TOKENS)
+        assert out == ref
+        assert stats.k_histogram.get(0, 0) >= 1  # the first round is plain by design
+        assert stats.policy is not None and sum(stats.policy.chosen.values()) == stats.rounds

@@ -5,12 +5,16 @@ from .backend import active_blas, preload_blas
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
 from .loading import ModelLoadError, load_models
+from .lookup import PromptLookup
+from .policy import DraftLengthPolicy
 from .sampling import ParameterError, SamplingParams, warp
 from .speculative import Token, generate, stream_generate
 from .stats import GenerationStats
 
 __all__ = [
     "active_blas",
+    "DraftLengthPolicy",
+    "PromptLookup",
     "GenerationStats",
     "ModelLoadError",
     "ParameterError",

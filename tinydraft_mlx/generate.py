@@ -15,7 +15,7 @@ from . import speculative
 from .backend import active_blas, device_name
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
 from .sampling import ParameterError, SamplingParams, check_int
-from .speculative import MAX_DRAFT_TOKENS, encode_prompt, stream_generate
+from .speculative import MAX_DRAFT_TOKENS, check_k, encode_prompt, stream_generate
 
 # API parameter name -> the flag that sets it, so errors name what the user typed
 FLAGS = {
@@ -42,10 +42,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", "--model", default=None,
                    help="target model: hub id or directory (default: the bundled demo target)")
     p.add_argument("--draft", "--draft-model", default=None,
-                   help="draft model, or 'none' for plain decoding (default: the demo draft, or "
-                        "Qwen2.5-0.5B of the same publisher for a Qwen2.5 target)")
+                   help="draft model, 'prompt-lookup' (copy n-gram continuations from the prompt "
+                        "and output, no model), or 'none' for plain decoding (default: the demo "
+                        "draft, or Qwen2.5-0.5B of the same publisher for a Qwen2.5 target)")
     p.add_argument("-k", "--num-draft-tokens", default="4", dest="k",
-                   help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS} (default 4)")
+                   help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS}, or 'auto' to choose "
+                        "0..8 every round from measured acceptance and costs (default 4)")
     p.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
     p.add_argument("--max-tokens", "-m", default="256", help="tokens to generate (256)")
     p.add_argument("--temp", default="0.0", help="temperature, 0 = greedy (0)")
@@ -87,7 +89,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
         setattr(args, name, _number(getattr(args, name), kind))
     try:
         sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
-        check_int("k", args.k, 1, MAX_DRAFT_TOKENS)
+        check_k(args.k)
         check_int("max_tokens", args.max_tokens, 1)
     except ParameterError as err:
         _fail(parser, _flag_message(err))

@@ -18,6 +18,7 @@ from mlx_lm import load as mlx_lm_load
 
 from . import skinny
 from .backend import resolve_dtype, warn_if_slow_blas
+from .lookup import PROMPT_LOOKUP, PromptLookup
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 NO_DRAFT = "none"
@@ -128,11 +129,12 @@ def load_models(
     draft: str | Path | None = None,
     *,
     dtype: str | mx.Dtype | None = None,
-) -> tuple[nn.Module, nn.Module | None, Any]:
+) -> tuple[nn.Module, nn.Module | PromptLookup | None, Any]:
     """Load (target, draft, tokenizer).
 
     target: hub id or local directory; None loads the bundled demo target.
-    draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft.
+    draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft;
+    "prompt-lookup" returns a `PromptLookup` drafter (no model).
     dtype: "float32", "float16", "bfloat16" or an mx.Dtype; default float32 on the CPU backend and
     float16 on a GPU.
 
@@ -152,6 +154,8 @@ def load_models(
     skinny.enable(target_model)
     if draft is None or str(draft).lower() == NO_DRAFT:
         return target_model, None, tokenizer
+    if str(draft).lower() == PROMPT_LOOKUP:
+        return target_model, PromptLookup(), tokenizer
     draft_model, draft_tokenizer = load_model(draft, dtype)
     check_tokenizers(tokenizer, draft_tokenizer)
     skinny.enable(draft_model)

@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KEEP, Cache, cache_length, make_cache, rollback
+from .lookup import PROMPT_LOOKUP, PromptLookup
+from .policy import AUTO, AUTO_MAX_K, DraftLengthPolicy
 from .rejection import greedy_accept, speculative_accept
 from .sampling import ParameterError, SamplingParams, check_int, warp
 from .stats import GenerationStats
@@ -117,12 +119,17 @@ def _rollback_both(target_cache: Cache, draft_cache: Cache | None, keep: int) ->
         rollback(draft_cache, keep)
 
 
+def _point_mass(tokens: mx.array, width: int) -> mx.array:
+    """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
+    return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
+
+
 def decode(
     target: nn.Module,
-    draft: nn.Module | None,
+    draft: nn.Module | PromptLookup | None,
     prompt: list[int],
     *,
-    k: int = 4,
+    k: int | str = 4,
     max_tokens: int = 256,
     sampling: SamplingParams = SamplingParams(),
     eos_token_ids: Iterable[int] = (),
@@ -130,11 +137,16 @@ def decode(
     draft_cache: Cache | None = None,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
-    `stream_generate`). Caches may be passed in holding a prefix of `prompt` (it is not recomputed);
-    whenever the generator stops (length, EOS, close) each cache holds at most seq[:-1]."""
+    `stream_generate`). `draft` is a model, a `PromptLookup`, or None (plain decoding); `k` an int
+    or "auto" (a `DraftLengthPolicy` picks it every round). Caches may be passed in holding a
+    prefix of `prompt` (it is not recomputed); whenever the generator stops (length, EOS, close)
+    each cache holds at most seq[:-1]."""
+    lookup = draft if isinstance(draft, PromptLookup) else None
+    model = None if lookup is not None else draft
     target_cache = make_cache(target) if target_cache is None else target_cache
-    if draft is not None and draft_cache is None:
-        draft_cache = make_cache(draft)
+    if model is not None and draft_cache is None:
+        draft_cache = make_cache(model)
+    draft_cache = draft_cache if model is not None else None
     for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
         if cache is not None and cache_length(cache) > len(prompt) - 1:
             raise ValueError(
@@ -144,27 +156,53 @@ def decode(
     eos = frozenset(eos_token_ids)
     seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
     key = mx.random.key(seed)
+    policy = None
+    if draft is None:
+        k_cap = 0
+    elif k == AUTO:
+        k_cap = AUTO_MAX_K
+    else:
+        k_cap = k
     stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt))
     seq = list(prompt)
+    index = lookup.index(seq) if lookup is not None else None
 
     start = time.perf_counter()
     prefill(target, target_cache, seq[cache_length(target_cache) : -1])
-    if draft is not None:
-        prefill(draft, draft_cache, seq[cache_length(draft_cache) : -1])
+    target_prefill = time.perf_counter() - start
+    if model is not None:
+        prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
     stats.prefill_seconds = time.perf_counter() - start
+    if k == AUTO and draft is not None:
+        # the draft/target cost ratio seen in prefill seeds the first guess of a draft step's cost
+        draft_prefill = stats.prefill_seconds - target_prefill
+        ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
+        policy = DraftLengthPolicy(AUTO_MAX_K, draft_ratio=min(1.0, max(0.0, ratio)))
+        stats.policy = policy
     try:
         while stats.generated < max_tokens:
             start = time.perf_counter()
+            catch_up = 0.0
             # never draft more than can be emitted: a round emits up to k_round + 1 tokens
-            k_round = min(k, max_tokens - stats.generated - 1) if draft is not None else 0
+            limit = max_tokens - stats.generated - 1
+            k_round = min(k_cap, limit) if policy is None else policy.choose(limit)
             draft_key = verify_key = None  # greedy rounds use no randomness
             if not sampling.greedy:
                 key, draft_key, verify_key = mx.random.split(key, 3)
-            if k_round:
+            drafts, q = mx.zeros((0,), dtype=mx.int32), None
+            if k_round and lookup is not None:
+                proposal = index.propose(k_round)
+                k_round = len(proposal)
+                if proposal:
+                    drafts = mx.array(proposal, dtype=mx.int32)
+                    q = None if sampling.greedy else _point_mass(drafts, vocab_width(target))
+            elif k_round:
                 unseen = seq[cache_length(draft_cache) :]
-                drafts, q = _draft_chain(draft, draft_cache, unseen, k_round, sampling, draft_key)
-            else:
-                drafts, q = mx.zeros((0,), dtype=mx.int32), None
+                if len(unseen) > 2:  # after plain rounds (k="auto"): catch up like a prefill
+                    prefill(model, draft_cache, unseen[:-1])
+                    unseen = unseen[-1:]
+                    catch_up = time.perf_counter() - start
+                drafts, q = _draft_chain(model, draft_cache, unseen, k_round, sampling, draft_key)
             n, token, *proposed = _verify(
                 target, target_cache, seq[-1], drafts, q, sampling, verify_key
             )
@@ -172,7 +210,10 @@ def decode(
             # bonus token): it stays behind and catches up at the start of the next round.
             _rollback_both(target_cache, draft_cache, len(seq) + n)
             stats.record_round(k_round, n)
-            stats.decode_seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            stats.decode_seconds += elapsed
+            if policy is not None:
+                policy.update(k_round, n, elapsed - catch_up)
             for i, tok in enumerate(proposed[:n] + [token]):
                 seq.append(tok)
                 stats.generated += 1
@@ -214,13 +255,32 @@ def eos_ids(tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def check_k(k: int | str) -> None:
+    """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto"."""
+    if k == AUTO:
+        return
+    try:
+        check_int("k", k, 1, MAX_DRAFT_TOKENS)
+    except ParameterError:
+        raise ParameterError("k", f'an integer in [1, {MAX_DRAFT_TOKENS}] or "auto"', k) from None
+
+
+def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | PromptLookup | None:
+    """A draft argument as the decode loop takes it: "prompt-lookup" becomes a `PromptLookup`."""
+    if isinstance(draft, str):
+        if draft.lower() != PROMPT_LOOKUP:
+            raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}" or None', draft)
+        return PromptLookup()
+    return draft
+
+
 def stream_generate(
     target: nn.Module,
-    draft: nn.Module | None,
+    draft: nn.Module | PromptLookup | str | None,
     tokenizer,
     prompt: str | list[int],
     *,
-    k: int = 4,
+    k: int | str = 4,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -229,25 +289,31 @@ def stream_generate(
     seed: int | None = None,
     max_kv_size: int | None = None,
 ) -> Iterator[Token]:
-    """Generate from `target`, drafting with `draft` (None: plain decoding), yielding each `Token`
+    """Generate from `target`, drafting with `draft` (a model; "prompt-lookup" or a `PromptLookup`
+    to copy n-gram continuations from prompt + output; None: plain decoding), yielding each `Token`
     as it is accepted. Output is distributed exactly as plain sampling from `target` with the same
     warp (greedy when temperature is 0: token-identical to plain greedy decoding). Generation ends
     after `max_tokens` tokens or an EOS token (which is emitted).
 
     `max_kv_size` W bounds both caches: each token attends to the first 4 positions and the most
     recent W - 4 (as mlx-lm's rotating cache), and output equals plain decoding with the same W.
+    `k` is the number of draft tokens per round (1..64), or "auto": each round the k (0..8) with
+    the most expected tokens per second under measured acceptance and costs (policy.py).
+
     Every argument is checked before any work starts (ValueError naming the parameter)."""
     sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
+    draft = resolve_draft(draft)
     if draft is not None:
-        check_int("k", k, 1, MAX_DRAFT_TOKENS)
+        check_k(k)
     check_int("max_tokens", max_tokens, 1)
     ids = encode_prompt(tokenizer, prompt, vocab_width(target))
-    k_eff = k if draft is not None else 0
+    k_eff = 0 if draft is None else AUTO_MAX_K if k == AUTO else k
     if max_kv_size is not None:
         check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
     margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
     target_cache = make_cache(target, max_kv_size, margin)
-    draft_cache = make_cache(draft, max_kv_size, margin) if draft is not None else None
+    has_cache = draft is not None and not isinstance(draft, PromptLookup)
+    draft_cache = make_cache(draft, max_kv_size, margin) if has_cache else None
     return decode(
         target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
         eos_token_ids=eos_ids(tokenizer), target_cache=target_cache, draft_cache=draft_cache,
@@ -256,11 +322,11 @@ def stream_generate(
 
 def generate(
     target: nn.Module,
-    draft: nn.Module | None,
+    draft: nn.Module | PromptLookup | str | None,
     tokenizer,
     prompt: str | list[int],
     *,
-    k: int = 4,
+    k: int | str = 4,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .backend import active_blas
 
@@ -16,7 +17,7 @@ class GenerationStats:
     it estimates the per-position acceptance probability. With no draft both are empty/zero.
     """
 
-    k: int = 0
+    k: int | str = 0  # draft tokens per round as requested: an int, or "auto"
     prompt_tokens: int = 0
     generated: int = 0
     rounds: int = 0
@@ -26,10 +27,13 @@ class GenerationStats:
     position_accepted: list[int] = field(default_factory=list)
     # index n: how many rounds accepted exactly n draft tokens
     accepted_length_counts: list[int] = field(default_factory=list)
+    # k -> rounds that drafted k tokens (k="auto" choices; prompt lookup may find fewer than k)
+    k_histogram: dict[int, int] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str | None = None  # "length", "eos" or "closed"
     blas: str = field(default_factory=active_blas)  # which BLAS MLX's CPU backend used
+    policy: Any = field(default=None, repr=False, compare=False)  # the k="auto" policy, if any
 
     def record_round(self, drafted: int, accepted: int) -> None:
         """Book one verify round: `drafted` proposals of which the first `accepted` were kept."""
@@ -44,6 +48,7 @@ class GenerationStats:
         for i in range(accepted):
             self.position_accepted[i] += 1
         self.accepted_length_counts[accepted] += 1
+        self.k_histogram[drafted] = self.k_histogram.get(drafted, 0) + 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,12 +79,14 @@ class GenerationStats:
             f"in {self.prefill_seconds:.2f}s"
         )
         if not self.drafted:
-            return f"plain decoding: {speed}"
+            return f"plain decoding: {speed}" + ("" if self.k == 0 else f" (k={self.k}: no drafts)")
         positions = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
         return (
             f"speculative k={self.k}: {speed}; acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted}/{self.drafted}), {self.mean_accepted_length:.2f} accepted + 1 per "
             f"round over {self.rounds} rounds, per position [{positions}]"
+            + (f", rounds by k {dict(sorted(self.k_histogram.items()))}"
+               if len(self.k_histogram) > 1 else "")
         )
 
 

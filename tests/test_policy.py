@@ -1,0 +1,95 @@
+"""The k="auto" policy, driven by a simulated machine with known costs and acceptance, so that the
+best k is known in closed form and the policy's throughput can be compared with it."""
+
+import random
+
+import pytest
+
+from tinydraft_mlx.policy import DraftLengthPolicy
+
+
+def simulate(policy, alpha_at, cost, rounds, seed=0):
+    """Run `rounds` rounds. alpha_at(r): acceptance probability (iid per position) at round r;
+    cost(k): seconds of a round drafting k. Returns (tokens, seconds, chosen ks)."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    ks = []
+    for r in range(rounds):
+        k = policy.choose(1000)
+        n = 0
+        while n < k and rng.random() < alpha_at(r):
+            n += 1
+        policy.update(k, n, cost(k))
+        tokens += n + 1
+        seconds += cost(k)
+        ks.append(k)
+    return tokens, seconds, ks
+
+
+def best_rate(alpha, cost, k_max=8):
+    """max over k of E(k) / cost(k) with E(k) = sum_{j<=k} alpha^j: the policy's target."""
+    return max(sum(alpha**j for j in range(k + 1)) / cost(k) for k in range(k_max + 1))
+
+
+def test_first_round_is_plain_then_speculation_is_tried():
+    policy = DraftLengthPolicy()
+    assert policy.choose(10) == 0
+    policy.update(0, 0, 1.0)
+    assert policy.choose(10) == 1  # optimistic before any evidence, one step at a time
+    assert policy.choose(0) == 0  # nothing left to draft for
+
+
+def test_round_cost_interpolates_and_extrapolates():
+    policy = DraftLengthPolicy(draft_ratio=0.5)
+    policy.round_seconds = {0: 1.0}
+    assert policy.round_cost(2) == pytest.approx(2.0)  # prior: draft steps at half the cost
+    policy.round_seconds = {0: 1.0, 1: 2.0, 3: 2.6}
+    assert policy.round_cost(2) == pytest.approx(2.3)
+    assert policy.round_cost(5) == pytest.approx(3.2)  # slope of the two largest: 0.3 per k
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.9, 0.95])
+@pytest.mark.parametrize("machine", ["gpu-like", "cpu-like"])
+def test_throughput_close_to_the_best_fixed_choice(alpha, machine):
+    # gpu-like: verification nearly free, draft 10% of the target; cpu-like: verify grows 50%
+    # per extra token, draft 40%. Bound: >= 0.95 of the closed-form optimum over 2000 rounds; the
+    # policy loses its probes (budget 2%), the first rounds' exploration and alpha's estimation
+    # noise (about 1/sqrt(33) with the default decay).
+    slope_v, draft = (0.02, 0.1) if machine == "gpu-like" else (0.5, 0.4)
+
+    def cost(k):
+        return 1.0 + slope_v * k + draft * k
+
+    tokens, seconds, ks = simulate(DraftLengthPolicy(), lambda r: alpha, cost, 2000)
+    assert tokens / seconds >= 0.95 * best_rate(alpha, cost), (tokens / seconds, ks[-20:])
+
+
+def test_hopeless_speculation_costs_little():
+    # acceptance 0 and a draft round costing 2x a plain one: all speculative rounds are waste. The
+    # policy may spend its first probe plus ~2% of the time on probes (probe_budget).
+    def cost(k):
+        return 1.0 + k
+
+    tokens, seconds, ks = simulate(DraftLengthPolicy(), lambda r: 0.0, cost, 1000)
+    assert tokens / seconds >= 0.97  # plain decoding: 1 token per second
+    assert ks.count(0) > 900
+    assert any(k > 0 for k in ks[500:])  # it keeps probing now and then
+
+
+def test_recovers_when_the_text_becomes_easy():
+    def cost(k):
+        return 1.0 + 0.15 * k
+
+    def alpha_at(r):
+        return 0.0 if r < 300 else 0.95
+
+    _, _, ks = simulate(DraftLengthPolicy(), alpha_at, cost, 600)
+    assert sum(k > 0 for k in ks[250:300]) <= 10  # mostly plain while hopeless
+    assert sum(k >= 3 for k in ks[400:]) >= 180  # long drafts again once acceptance is high
+
+
+def test_histogram_of_choices():
+    policy = DraftLengthPolicy()
+    simulate(policy, lambda r: 0.9, lambda k: 1.0 + 0.1 * k, 50)
+    assert sum(policy.chosen.values()) == 50
+    assert policy.chosen[0] >= 1

@@ -1,0 +1,142 @@
+"""Choosing the draft length every round (`k="auto"`): measure, then maximise tokens per second.
+
+DESIGN.md's model: a round that drafts k tokens emits E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i
+tokens (alpha_i: probability that draft position i is accepted given the ones before it were) and
+costs R(k) seconds (k draft steps, one verify of k + 1 tokens, the host's share). The policy picks
+argmax_k E(k) / R(k) over k = 0 (plain decoding) .. k_max.
+
+Both sides are measured online, not assumed:
+- alpha_i: accepted / reached counts per position, discounted by `decay` at every speculative
+  round so that the estimate follows the text; a position with little data borrows strength from
+  the pooled rate (posterior mean under a prior of weight `prior_strength` centred on it).
+- R(k): an exponential moving average of the measured wall time of rounds that drafted k. An
+  unmeasured k is interpolated linearly between measured neighbours, or extrapolated from the two
+  largest measured ones; with only plain rounds measured, R(1) = R(0) * (1 + draft_ratio), i.e.
+  optimistic (verification free). The policy never jumps more than one past the largest measured
+  k, so a bad guess costs one round, not a k_max-sized one.
+The first round is plain (it measures R(0)).
+
+When plain decoding wins, speculation is still probed now and then, so that a later easy stretch
+(or a cost estimate spoiled by a noisy round) is not missed: a probe is taken once its expected
+loss fits in `probe_budget` (3%) of the time spent in plain rounds since the last probe.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+AUTO = "auto"
+AUTO_MAX_K = 8
+
+
+class DraftLengthPolicy:
+    """Online choice of k. `choose(limit)` before a round, `update(k, accepted, seconds)` after."""
+
+    def __init__(
+        self,
+        k_max: int = AUTO_MAX_K,
+        *,
+        draft_ratio: float = 0.25,
+        decay: float = 0.97,
+        smoothing: float = 0.3,
+        prior_strength: float = 2.0,
+        probe_budget: float = 0.02,
+    ) -> None:
+        self.k_max = k_max
+        self.draft_ratio = draft_ratio
+        self.decay = decay
+        self.smoothing = smoothing
+        self.prior_strength = prior_strength
+        self.accepted = [0.0] * k_max  # discounted counts per draft position
+        self.rejected = [0.0] * k_max
+        self.round_seconds: dict[int, float] = {}  # k -> moving average of a round's wall time
+        self.probe_budget = probe_budget
+        self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
+        self.chosen: Counter[int] = Counter()
+
+    # -- estimates -------------------------------------------------------------------------------
+    def round_cost(self, k: int) -> float:
+        """Estimated seconds of a round drafting k tokens (needs R(0) measured)."""
+        known = self.round_seconds
+        if k in known:
+            return known[k]
+        ks = sorted(known)
+        below = [j for j in ks if j < k]
+        above = [j for j in ks if j > k]
+        if below and above:  # interpolate
+            lo, hi = below[-1], above[0]
+            w = (k - lo) / (hi - lo)
+            return known[lo] * (1 - w) + known[hi] * w
+        if len(below) >= 2:  # extrapolate from the two largest measured
+            lo, hi = below[-2], below[-1]
+            slope = max(0.0, (known[hi] - known[lo]) / (hi - lo))
+            return known[hi] + slope * (k - hi)
+        return known[0] * (1.0 + self.draft_ratio * k)
+
+    @staticmethod
+    def expected_tokens(alphas: list[float], k: int) -> float:
+        total, reach = 1.0, 1.0
+        for alpha in alphas[:k]:
+            reach *= alpha
+            total += reach
+        return total
+
+    def acceptance_means(self) -> list[float]:
+        """Posterior mean acceptance per position, the prior centred on the pooled rate."""
+        total_a, total_r = sum(self.accepted), sum(self.rejected)
+        pooled = (1.0 + total_a) / (2.0 + total_a + total_r)
+        return [
+            (a + self.prior_strength * pooled) / (a + r + self.prior_strength)
+            for a, r in zip(self.accepted, self.rejected)
+        ]
+
+    # -- decisions -------------------------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        """k for the next round, at most `limit` (tokens the round may still emit, minus one)."""
+        limit = max(0, min(limit, self.k_max))
+        if 0 not in self.round_seconds or limit == 0:
+            return 0
+        reach = max(k for k in self.round_seconds) + 1
+        alphas = self.acceptance_means()
+        plain_rate = 1.0 / self.round_seconds[0]
+        rates = {
+            k: self.expected_tokens(alphas, k) / self.round_cost(k)
+            for k in range(1, min(limit, reach) + 1)
+        }
+        if not rates:
+            return 0
+        best = max(rates, key=lambda k: (rates[k], -k))
+        if rates[best] > plain_rate:
+            self.plain_seconds = 0.0
+            return best
+        # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
+        # last probe have earned it: its expected loss (seconds beyond what plain decoding would
+        # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
+        # that time. So probing costs at most ~probe_budget of the decode time, a hopeless k is
+        # probed rarely and a cheap probe often.
+        expected = self.expected_tokens(self.acceptance_means(), best)
+        loss = self.round_cost(best) - expected * self.round_seconds[0]
+        if self.plain_seconds * self.probe_budget >= loss:
+            self.plain_seconds = 0.0
+            return best
+        return 0
+
+    def update(self, k: int, accepted: int, seconds: float) -> None:
+        """Book a round that drafted k tokens, of which the first `accepted` were kept, in
+        `seconds` of wall time."""
+        self.chosen[k] += 1
+        if k > 0:  # forget per observation: a stretch of plain rounds keeps the last evidence
+            for i in range(self.k_max):
+                self.accepted[i] *= self.decay
+                self.rejected[i] *= self.decay
+        for i in range(min(accepted, self.k_max)):
+            self.accepted[i] += 1.0
+        if accepted < k:
+            self.rejected[accepted] += 1.0
+        if k == 0:
+            self.plain_seconds += seconds
+        if seconds > 0:
+            # running mean over the first 1/smoothing samples, then a moving average
+            old = self.round_seconds.get(k, 0.0)
+            weight = max(self.smoothing, 1.0 / self.chosen[k])
+            self.round_seconds[k] = old + weight * (seconds - old)
