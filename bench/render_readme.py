@@ -67,10 +67,104 @@ def bounded_memory(r: dict) -> list[str]:
     return lines
 
 
+def _cmd(r: dict, script: str, keys: list[str]) -> str:
+    """The command line that produced `r`, from its recorded settings."""
+    s = r["settings"]
+    flags = []
+    for key in keys:
+        value = s.get(key)
+        if value in (None, [], False):
+            continue
+        value = " ".join(map(str, value)) if isinstance(value, list) else value
+        if key in ("target", "draft", "models"):
+            value = " ".join("$S/" + Path(v).name for v in str(value).split())
+        flags.append(f"--{key.replace('_', '-')} {value}")
+    return f"python bench/{script} " + " ".join(flags)
+
+
+def head_to_head(name: str):
+    def render(r: dict) -> list[str]:
+        c = r["costs_ms"]
+        t_v = " ".join(f"{float(v):.0f}" for v in c["t_v"].values())
+        cmd = _cmd(r, "bench.py", ["target", "draft", "oracle_alpha", "ks", "prompts",
+                                   "max_tokens", "temp", "name"])
+        lines = [
+            f"**{name}** (`{cmd}`; {r['settings']['dtype']}, BLAS {r['machine']['blas'][:40]}; "
+            f"[json](results/{r['settings']['name']}.json), "
+            f"[plot](results/{r['settings']['name']}.png)). Costs: t_1 {c['t_1']:.1f} ms, "
+            f"t_d {c['t_d']:.1f} ms, t_v(1..) {t_v} ms.",
+            "",
+            "| T | alpha | k | ours vs plain | mlx-lm vs plain | ours / mlx-lm | predicted | "
+            "measured / predicted | acceptance ours / mlx-lm | overhead |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in r["runs"]:
+            alpha = "-" if row["alpha_oracle"] is None else row["alpha_oracle"]
+            lines.append(
+                f"| {row['temp']} | {alpha} | {row['k']} | {row['speedup_ours']:.2f}x | "
+                f"{row['speedup_mlx_lm']:.2f}x | {row['ours_vs_mlx_lm']:.2f} | "
+                f"{row['predicted_speedup']:.2f}x | "
+                f"{row['speedup_ours'] / row['predicted_speedup']:.2f} | "
+                f"{row['acceptance_mean']:.2f} / {row['mlx_lm_acceptance_mean']:.2f} | "
+                f"{row['overhead_fraction']:.0%} |")
+        return lines
+
+    return render
+
+
+def blas(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**BLAS** (`python bench/blas.py --models $S/0.5B $S/1.5B`; prefill {s['prefill_tokens']}"
+        f" tokens, decode {s['decode_tokens']} tokens, median of {s['repeats']}, fp32; "
+        "[json](results/blas.json), [plot](results/blas.png))",
+        "",
+        "| shapes | BLAS | decode tok/s | x stock | prefill tok/s | x stock |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in r["runs"]:
+        lines.append(f"| {row['model']} | {row['blas'].split(' (')[0]} | "
+                     f"{row['decode_tok_s']:.2f} | {row['decode_vs_stock']:.1f}x | "
+                     f"{row['prefill_tok_s']:.1f} | {row['prefill_vs_stock']:.1f}x |")
+    return lines
+
+
+def adaptive(r: dict) -> list[str]:
+    s = r["settings"]
+    cmd = _cmd(r, "adaptive.py", ["target", "draft", "alphas", "ks", "prompts", "max_tokens",
+                                  "lookup_tokens"])
+    lines = [f"**k=auto and prompt lookup** (`{cmd}`; greedy, BLAS {s['blas'][:12]}; "
+             "[json](results/adaptive.json), [plot](results/adaptive.png))", ""]
+    if r["oracle"]:
+        names = list(r["oracle"][0]["speedup"])
+        lines += ["| alpha | " + " | ".join(names) + " | auto / best fixed k | auto / plain |",
+                  "| --- " * (len(names) + 3) + "|"]
+        for row in r["oracle"]:
+            lines.append(f"| {row['alpha']} | " + " | ".join(
+                f"{row['speedup'][n]:.2f}x" for n in names) +
+                f" | {row['auto_vs_best_fixed']:.2f} | {row['auto_vs_plain']:.2f} |")
+        lines.append("")
+    names = list(r["lookup"][0]["speedup"])
+    lines += ["| demo target, workload | " + " | ".join(names) + " |",
+              "| --- " * (len(names) + 1) + "|"]
+    for row in r["lookup"]:
+        lines.append(f"| {row['workload']} | " + " | ".join(
+            f"{row['speedup'][n]:.2f}x" for n in names) + " |")
+    return lines
+
+
 def main() -> None:
     parts = []
-    for name, render in [("demo_training", demo_training), ("demo_quality", demo_quality),
-                         ("bounded_memory", bounded_memory)]:
+    for name, render in [
+        ("demo_training", demo_training),
+        ("demo_quality", demo_quality),
+        ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
+        ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
+        ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
+        ("blas", blas),
+        ("adaptive", adaptive),
+        ("bounded_memory", bounded_memory),
+    ]:
         data = _load(name)
         if data is not None:
             parts += render(data) + [""]

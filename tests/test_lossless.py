@@ -118,7 +118,7 @@ def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkey
     schedule makes that independent of this machine's timings."""
     import tinydraft_mlx.speculative as spec
 
-    monkeypatch.setattr(spec, "DraftLengthPolicy", _Scripted)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: _Scripted())
     target, draft, tok = pair
     for ids, ref in references.values():
         d = draft if drafter == "model" else drafter
@@ -134,5 +134,5 @@ def test_auto_with_its_real_policy_matches_oracle(pair, references):
     for ids, ref in references.values():
         out, stats = generate(target, draft, tok, ids, k="auto", max_tokens=NEW_TOKENS)
         assert out == ref
-        assert stats.k_histogram.get(0, 0) >= 1  # the first round is plain by design
-        assert stats.policy is not None and sum(stats.policy.chosen.values()) == stats.rounds
+        # one policy per (target, draft) pair, carried across generations
+        assert stats.policy is not None and sum(stats.policy.chosen.values()) >= stats.rounds

@@ -93,3 +93,21 @@ def test_histogram_of_choices():
     simulate(policy, lambda r: 0.9, lambda k: 1.0 + 0.1 * k, 50)
     assert sum(policy.chosen.values()) == 50
     assert policy.chosen[0] >= 1
+
+
+def test_shared_policy_per_pair():
+    from tinydraft_mlx.policy import shared_policy
+
+    class Model:  # any weak-referenceable object
+        pass
+
+    target, draft, other = Model(), Model(), Model()
+    first = shared_policy(target, draft, 0.25)
+    first.update(0, 0, 1.0)
+    assert shared_policy(target, draft, 0.25) is first  # measurements carry over
+    assert shared_policy(target, other, 0.25) is not first
+    assert shared_policy(target, "PromptLookup(3, 2)", 0.0) is shared_policy(
+        target, "PromptLookup(3, 2)", 0.0)
+    del draft
+    fresh = shared_policy(target, Model(), 0.25)
+    assert fresh is not first and not fresh.round_seconds

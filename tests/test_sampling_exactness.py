@@ -71,7 +71,7 @@ def _case(name, pair, oracle):
 def test_first_two_tokens_follow_oracle(pair, oracle, warp_kw, drafter, monkeypatch):
     import tinydraft_mlx.speculative as spec
 
-    monkeypatch.setattr(spec, "DraftLengthPolicy", _PlainThenOne)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: _PlainThenOne())
     target, _, tok = pair
     draft, k, ids = _case(drafter, pair, oracle)
     exact = _two_step(oracle, ids, **warp_kw)

@@ -12,8 +12,8 @@ Both sides are measured online, not assumed:
 - R(k): an exponential moving average of the measured wall time of rounds that drafted k. An
   unmeasured k is interpolated linearly between measured neighbours, or extrapolated from the two
   largest measured ones; with only plain rounds measured, R(1) = R(0) * (1 + draft_ratio), i.e.
-  optimistic (verification free). The policy never jumps more than one past the largest measured
-  k, so a bad guess costs one round, not a k_max-sized one.
+  optimistic (verification free). The policy never goes beyond twice the largest measured k plus
+  one, so a bad extrapolation costs one modest round, not a k_max-sized one.
 The first round is plain (it measures R(0)).
 
 When plain decoding wins, speculation is still probed now and then, so that a later easy stretch
@@ -23,6 +23,7 @@ loss fits in `probe_budget` (3%) of the time spent in plain rounds since the las
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 AUTO = "auto"
@@ -96,7 +97,7 @@ class DraftLengthPolicy:
         limit = max(0, min(limit, self.k_max))
         if 0 not in self.round_seconds or limit == 0:
             return 0
-        reach = max(k for k in self.round_seconds) + 1
+        reach = 2 * max(k for k in self.round_seconds) + 1
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
         rates = {
@@ -140,3 +141,24 @@ class DraftLengthPolicy:
             old = self.round_seconds.get(k, 0.0)
             weight = max(self.smoothing, 1.0 / self.chosen[k])
             self.round_seconds[k] = old + weight * (seconds - old)
+
+
+_SHARED: dict[tuple[int, object], tuple[weakref.ref, weakref.ref | None, DraftLengthPolicy]] = {}
+
+
+def shared_policy(target: object, draft: object, draft_ratio: float) -> DraftLengthPolicy:
+    """The policy of a (target, draft) pair, kept while both exist: later generations start from
+    the costs and acceptance measured by earlier ones instead of learning them again. `draft` is
+    the draft model object, or a string naming a model-free drafter and its settings."""
+    for key in [k for k, (t, d, _) in _SHARED.items() if t() is None or (d and d() is None)]:
+        del _SHARED[key]  # pairs that no longer exist
+    named = isinstance(draft, str)
+    key = (id(target), draft if named else id(draft))
+    entry = _SHARED.get(key)
+    if entry is None or entry[0]() is not target or (not named and entry[1]() is not draft):
+        entry = (weakref.ref(target), None if named else weakref.ref(draft),
+                 DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio))
+        _SHARED[key] = entry
+    policy = entry[2]
+    policy.plain_seconds = 0.0
+    return policy

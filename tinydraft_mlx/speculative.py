@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from .cache import KEEP, Cache, cache_length, make_cache, rollback
 from .lookup import PROMPT_LOOKUP, PromptLookup
-from .policy import AUTO, AUTO_MAX_K, DraftLengthPolicy
+from .policy import AUTO, AUTO_MAX_K, shared_policy
 from .rejection import greedy_accept, speculative_accept
 from .sampling import ParameterError, SamplingParams, check_int, warp
 from .stats import GenerationStats
@@ -177,7 +177,8 @@ def decode(
         # the draft/target cost ratio seen in prefill seeds the first guess of a draft step's cost
         draft_prefill = stats.prefill_seconds - target_prefill
         ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
-        policy = DraftLengthPolicy(AUTO_MAX_K, draft_ratio=min(1.0, max(0.0, ratio)))
+        draft_key = repr(lookup) if lookup is not None else model
+        policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)))
         stats.policy = policy
     try:
         while stats.generated < max_tokens:
