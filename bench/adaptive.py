@@ -23,13 +23,12 @@ import json
 import statistics
 from pathlib import Path
 
-from common import machine
+from common import ROOT, machine, pyplot, save
 from oracle_draft import OracleDraft
 
 from bench import PROMPTS, ours
 from tinydraft_mlx import active_blas, load_models
 
-ROOT = Path(__file__).resolve().parents[1]
 EDITING = [
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
     "class Vector:\n    def __init__(self, x, y):\n",
@@ -139,25 +138,19 @@ def main() -> None:
     ap.add_argument("--reuse-oracle", action="store_true",
                     help="keep part 1 from the existing results/<name>.json, rerun part 2")
     args = ap.parse_args()
-    out = ROOT / "results" / f"{args.name}.json"
     report = {"settings": {**vars(args), "dtype": "float32", "blas": active_blas()},
               "machine": machine()}
     report["lookup"] = part_lookup(args)
     if args.reuse_oracle:
-        old = json.loads(out.read_text())
+        old = json.loads((ROOT / "results" / f"{args.name}.json").read_text())
         report["oracle"], report["oracle_settings"] = old["oracle"], old["settings"]
     else:
         report["oracle"] = part_oracle(args) if args.target else []
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
+    save(report, args.name, plot)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = report["oracle"]
     if rows:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine
+from common import machine, pyplot, save
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 from oracle_draft import OracleDraft
@@ -30,7 +29,6 @@ from tinydraft_mlx import active_blas, load_models, skinny, stream_generate
 from tinydraft_mlx.cache import make_cache, rollback
 from tinydraft_mlx.speculative import prefill
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
     "class LRUCache:\n    def __init__(self, capacity):\n",
@@ -205,17 +203,11 @@ def main() -> None:
         "plain": plain,
         "runs": runs,
     }
-    out = ROOT / "results" / f"{args.name}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
+    save(report, args.name, plot)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, acc) = plt.subplots(1, 2, figsize=(12, 4.8))
     groups = sorted({(r["temp"], r["alpha_oracle"]) for r in report["runs"]},
                     key=lambda g: (g[0], g[1] is None, g[1]))

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import pyplot, save
+
 CHOICES = ["off", "openblas", "mkl"]
 
 
@@ -96,17 +97,11 @@ def main() -> None:
         "machine": runs[0]["machine"],
         "runs": runs,
     }
-    out = ROOT / "results" / f"{args.name}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out.with_suffix(".png"))
+    save(report, args.name, plot)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in report["runs"]))
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
     for ax, metric, title in [(axes[0], "decode_vs_stock", "plain decode"),

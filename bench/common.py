@@ -3,7 +3,9 @@ that imports mlx.core: importing tinydraft_mlx first lets its BLAS preload take 
 
 from __future__ import annotations
 
+import json
 import platform
+from pathlib import Path
 
 import tinydraft_mlx  # isort: skip  (before mlx.core, for the BLAS preload)
 import mlx.core as mx
@@ -20,3 +22,24 @@ def machine() -> dict:
         "tinydraft_mlx": tinydraft_mlx.__version__,
         "blas": tinydraft_mlx.active_blas(),
     }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def save(report: dict, name: str, plot) -> Path:
+    """Write results/<name>.json and, through `plot(report, path)`, results/<name>.png."""
+    out = ROOT / "results" / f"{name}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out.with_suffix(".png"))
+    return out
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
