@@ -16,6 +16,15 @@ def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
     assert "speculative k=3: 20 tokens" in err
 
 
+@pytest.mark.parametrize("draft", ["DRAFT", "prompt-lookup"])
+def test_cli_auto_k_and_prompt_lookup(checkpoints, capsys, draft):
+    draft = str(checkpoints["draft"]) if draft == "DRAFT" else draft
+    code = main(["--target", str(checkpoints["target"]), "--draft", draft, "-k", "auto",
+                 "--prompt", "a = b\na = b\na =", "--max-tokens", "20", "--verbose"])
+    err = capsys.readouterr().err
+    assert code == 0 and "k=auto" in err and "20 tokens" in err, err
+
+
 def test_cli_bounded_cache(checkpoints, capsys):
     code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
                  "--prompt", "def parse_args(", "--max-tokens", "40", "--max-kv-size", "16"])
