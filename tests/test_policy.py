@@ -46,6 +46,8 @@ def test_round_cost_interpolates_and_extrapolates():
     policy.round_seconds = {0: 1.0, 1: 2.0, 3: 2.6}
     assert policy.round_cost(2) == pytest.approx(2.3)
     assert policy.round_cost(5) == pytest.approx(3.2)  # slope of the two largest: 0.3 per k
+    policy.round_seconds = {0: 1.0, 1: 2.5}
+    assert policy.round_cost(3) == pytest.approx(3.5)  # draft steps only: 0.5 per k
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.9, 0.95])

@@ -10,10 +10,12 @@ Both sides are measured online, not assumed:
   round so that the estimate follows the text; a position with little data borrows strength from
   the pooled rate (posterior mean under a prior of weight `prior_strength` centred on it).
 - R(k): an exponential moving average of the measured wall time of rounds that drafted k. An
-  unmeasured k is interpolated linearly between measured neighbours, or extrapolated from the two
-  largest measured ones; with only plain rounds measured, R(1) = R(0) * (1 + draft_ratio), i.e.
-  optimistic (verification free). The policy never goes beyond twice the largest measured k plus
-  one, so a bad extrapolation costs one modest round, not a k_max-sized one.
+  unmeasured k is interpolated linearly between measured neighbours; beyond the largest measured
+  k it adds only draft steps of R(0) * draft_ratio each (draft_ratio: the draft/target prefill
+  time ratio), i.e. it is optimistic (extra verification assumed free) until measured, so a
+  larger k that might pay gets tried once and then judged on its measured cost. The policy never
+  goes beyond twice the largest measured k plus one, so a bad extrapolation costs one modest
+  round, not a k_max-sized one.
 The first round is plain (it measures R(0)).
 
 When plain decoding wins, speculation is still probed now and then, so that a later easy stretch
@@ -68,11 +70,14 @@ class DraftLengthPolicy:
             lo, hi = below[-1], above[0]
             w = (k - lo) / (hi - lo)
             return known[lo] * (1 - w) + known[hi] * w
-        if len(below) >= 2:  # extrapolate from the two largest measured
-            lo, hi = below[-2], below[-1]
-            slope = max(0.0, (known[hi] - known[lo]) / (hi - lo))
-            return known[hi] + slope * (k - hi)
-        return known[0] * (1.0 + self.draft_ratio * k)
+        # beyond the largest measured k: add draft steps only (optimistic: verifying more tokens
+        # is assumed free), or the measured slope of the two largest if that is smaller
+        hi = below[-1]
+        slope = known[0] * self.draft_ratio
+        if len(below) >= 2:
+            lo = below[-2]
+            slope = min(slope, max(0.0, (known[hi] - known[lo]) / (hi - lo)))
+        return known[hi] + slope * (k - hi)
 
     @staticmethod
     def expected_tokens(alphas: list[float], k: int) -> float:
