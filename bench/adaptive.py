@@ -174,7 +174,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_ylim(0, max(max(w["speedup"].values()) for w in workloads) * 1.2)
     right.set(ylabel="decode tokens/s vs plain", title="demo target: prompt lookup")
     right.legend(fontsize=8)
-    fig.suptitle(f"BLAS {report['settings']['blas'][:12]}, fp32, greedy")
+    fig.suptitle(f"BLAS {report['settings']['blas'].split(' (')[0]}, fp32, greedy")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -206,6 +206,10 @@ def main() -> None:
     save(report, args.name, plot)
 
 
+def _blas_name(report: dict) -> str:
+    return report["settings"]["blas"].split(" (")[0]
+
+
 def plot(report: dict, path: Path) -> None:
     plt = pyplot()
     fig, (ax, acc) = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -227,7 +231,7 @@ def plot(report: dict, path: Path) -> None:
                  color=color, label=f"mlx-lm, {label}")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set(xlabel="draft tokens per round (k)", ylabel="decode tokens/s vs our plain decoding",
-           title=f"{report['settings']['name']}: speed (BLAS {report['settings']['blas'][:12]})")
+           title=f"{report['settings']['name']}: speed (BLAS {_blas_name(report)})")
     acc.set(xlabel="draft tokens per round (k)", ylabel="accepted / drafted", ylim=(0, 1.05),
             title="acceptance")
     ax.legend(fontsize=6, ncol=2)

@@ -89,7 +89,8 @@ def head_to_head(name: str):
         cmd = _cmd(r, "bench.py", ["target", "draft", "oracle_alpha", "ks", "prompts",
                                    "max_tokens", "temp", "name"])
         lines = [
-            f"**{name}** (`{cmd}`; {r['settings']['dtype']}, BLAS {r['machine']['blas'][:40]}; "
+            f"**{name}** (`{cmd}`; {r['settings']['dtype']}, "
+            f"BLAS {r['machine']['blas'].split(' (')[0]}; "
             f"[json](results/{r['settings']['name']}.json), "
             f"[plot](results/{r['settings']['name']}.png)). Costs: t_1 {c['t_1']:.1f} ms, "
             f"t_d {c['t_d']:.1f} ms, t_v(1..) {t_v} ms.",
@@ -133,7 +134,7 @@ def adaptive(r: dict) -> list[str]:
     s = r["settings"]
     cmd = _cmd(r, "adaptive.py", ["target", "draft", "alphas", "ks", "prompts", "max_tokens",
                                   "lookup_tokens"])
-    lines = [f"**k=auto and prompt lookup** (`{cmd}`; greedy, BLAS {s['blas'][:12]}; "
+    lines = [f"**k=auto and prompt lookup** (`{cmd}`; greedy, BLAS {s['blas'].split(' (')[0]}; "
              "[json](results/adaptive.json), [plot](results/adaptive.png))", ""]
     if r["oracle"]:
         names = list(r["oracle"][0]["speedup"])
