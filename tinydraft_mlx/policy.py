@@ -20,7 +20,7 @@ The first round is plain (it measures R(0)).
 
 When plain decoding wins, speculation is still probed now and then, so that a later easy stretch
 (or a cost estimate spoiled by a noisy round) is not missed: a probe is taken once its expected
-loss fits in `probe_budget` (3%) of the time spent in plain rounds since the last probe.
+loss fits in `probe_budget` (2%) of the time spent in plain rounds since the last probe.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class DraftLengthPolicy:
         # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
         # that time. So probing costs at most ~probe_budget of the decode time, a hopeless k is
         # probed rarely and a cheap probe often.
-        expected = self.expected_tokens(self.acceptance_means(), best)
+        expected = self.expected_tokens(alphas, best)
         loss = self.round_cost(best) - expected * self.round_seconds[0]
         if self.plain_seconds * self.probe_budget >= loss:
             self.plain_seconds = 0.0
