@@ -119,6 +119,11 @@ def _rollback_both(target_cache: Cache, draft_cache: Cache | None, keep: int) ->
         rollback(draft_cache, keep)
 
 
+def max_draft_length(draft: object, k: int | str) -> int:
+    """The most tokens a round may draft: 0 without a draft, 8 for k="auto", else k."""
+    return 0 if draft is None else AUTO_MAX_K if k == AUTO else k
+
+
 def _point_mass(tokens: mx.array, width: int) -> mx.array:
     """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
     return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
@@ -157,12 +162,7 @@ def decode(
     seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
     key = mx.random.key(seed)
     policy = None
-    if draft is None:
-        k_cap = 0
-    elif k == AUTO:
-        k_cap = AUTO_MAX_K
-    else:
-        k_cap = k
+    k_cap = max_draft_length(draft, k)
     stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt))
     seq = list(prompt)
     index = lookup.index(seq) if lookup is not None else None
@@ -308,7 +308,7 @@ def stream_generate(
         check_k(k)
     check_int("max_tokens", max_tokens, 1)
     ids = encode_prompt(tokenizer, prompt, vocab_width(target))
-    k_eff = 0 if draft is None else AUTO_MAX_K if k == AUTO else k
+    k_eff = max_draft_length(draft, k)
     if max_kv_size is not None:
         check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
     margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
