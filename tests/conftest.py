@@ -1,14 +1,88 @@
+"""Shared fixtures, and which device each test runs on.
+
+- `TINYDRAFT_TEST_DEVICE=cpu|gpu` sets MLX's default device for the whole run; unset, MLX's own
+  default is used (the GPU on a Mac, the CPU on Linux). The pytest header says which.
+- Oracle and exactness tests compare against transformers on the CPU in float32, so they pin
+  CPU + float32: modules that need it say `pytestmark = pytest.mark.usefixtures("cpu_fp32")`,
+  and the models they use are loaded with dtype="float32".
+- CPU-only tests (the skinny matmul, the BLAS preload) carry `@pytest.mark.cpu_only` and skip
+  with the reason when the run's device is not the CPU.
+- Every other test runs on the run's default device.
+
+Each checkpoint is loaded once per session through `load` (several tests share a pair).
+"""
+
 from __future__ import annotations
+
+import os
 
 import pytest
 
 import tinydraft_mlx  # noqa: F401  (first: its BLAS preload must precede any `import mlx.core`)
-from tests.fixtures import build_other_tokenizer, build_pair, build_unrelated
+from tests.fixtures import (
+    build_other_tokenizer,
+    build_pair,
+    build_unrelated,
+    build_wide_draft,
+)
+
+DEVICE_ENV = "TINYDRAFT_TEST_DEVICE"
+
+
+def _run_device():
+    import mlx.core as mx
+
+    choice = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if not choice:
+        return mx.default_device()
+    if choice not in ("cpu", "gpu"):
+        raise pytest.UsageError(f"{DEVICE_ENV} must be 'cpu' or 'gpu' (got {choice!r})")
+    if choice == "gpu" and not mx.is_available(mx.gpu):
+        raise pytest.UsageError(f"{DEVICE_ENV}=gpu but this MLX build has no GPU backend")
+    return mx.gpu if choice == "gpu" else mx.cpu
+
+
+def pytest_configure(config):
+    import mlx.core as mx
+
+    mx.set_default_device(_run_device())
+    config.addinivalue_line("markers", "cpu_only: needs MLX's CPU backend (skipped elsewhere)")
+
+
+def pytest_report_header(config):
+    import mlx.core as mx
+
+    return (f"tinydraft-mlx: default device {mx.default_device()}, "
+            f"BLAS {tinydraft_mlx.active_blas()}")
+
+
+def pytest_collection_modifyitems(config, items):
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return
+    skip = pytest.mark.skip(reason=f"CPU-only (skinny matmul / BLAS); this run's device is "
+                                   f"{mx.default_device()}")
+    for item in items:
+        if item.get_closest_marker("cpu_only"):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_fp32():
+    """Run the test on MLX's CPU backend (the oracle's device and precision)."""
+    import mlx.core as mx
+
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Directories of the tiny target/draft pair and two incompatible drafts."""
+    """Directories of the tiny target/draft pair, two incompatible drafts and a draft whose
+    vocabulary is wider than the target's."""
     root = tmp_path_factory.mktemp("checkpoints")
     target, draft = build_pair(root)
     return {
@@ -16,15 +90,32 @@ def checkpoints(tmp_path_factory):
         "draft": draft,
         "unrelated": build_unrelated(root),
         "other_tokenizer": build_other_tokenizer(root),
+        "wide_draft": build_wide_draft(root),
     }
 
 
 @pytest.fixture(scope="session")
-def pair(checkpoints):
-    """(target, draft, tokenizer) loaded through tinydraft_mlx.load_models."""
+def load(checkpoints):
+    """load(target, draft="none", dtype="float32") -> (target, draft, tokenizer), loaded once
+    per session through tinydraft_mlx.load_models. Names are keys of `checkpoints` or paths."""
     from tinydraft_mlx import load_models
 
-    return load_models(str(checkpoints["target"]), str(checkpoints["draft"]))
+    loaded = {}
+
+    def _load(target: str, draft: str = "none", dtype: str | None = "float32"):
+        key = (str(target), str(draft), dtype)
+        if key not in loaded:
+            paths = [str(checkpoints.get(name, name)) for name in (target, draft)]
+            loaded[key] = load_models(*paths, dtype=dtype)
+        return loaded[key]
+
+    return _load
+
+
+@pytest.fixture(scope="session")
+def pair(load):
+    """(target, draft, tokenizer): the fixture pair in float32."""
+    return load("target", "draft")
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +123,19 @@ def oracle(checkpoints):
     from tests.oracle import Oracle
 
     return Oracle(checkpoints["target"])
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The bundled demo pair, float32."""
+    from tinydraft_mlx import load_models
+
+    return load_models(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def demo_oracle():
+    from tests.oracle import Oracle
+    from tinydraft_mlx.loading import DEMO_DIR
+
+    return Oracle(DEMO_DIR / "target")

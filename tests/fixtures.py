@@ -114,3 +114,33 @@ def build_other_tokenizer(root: Path) -> Path:
     torch.manual_seed(7)
     Qwen2ForCausalLM(_config(1, 300, eos_id)).eval().save_pretrained(directory)
     return directory
+
+
+WIDE = TARGET_WIDTH + 64  # wider than the target's logits: ids the target's embedding lacks
+
+
+def build_wide_draft(root: Path) -> Path:
+    """A draft whose logits are wider than the target's (WIDE rows). The extra rows copy the head
+    rows of the 64 lowest ids, scaled up, so wherever the draft would propose one of those it
+    proposes an id the target does not have."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    source = root / "draft"
+    directory = root / "wide_draft"
+    build_tokenizer(directory)
+    eos_id = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids(EOS)
+    narrow = Qwen2ForCausalLM.from_pretrained(source).eval()
+    wide = Qwen2ForCausalLM(_config(2, WIDE, eos_id)).eval()
+    with torch.no_grad():
+        state = narrow.state_dict()
+        for name, value in wide.state_dict().items():
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                value[:VOCAB] = state[name]
+                value[VOCAB:] = 0.0
+                if name == "lm_head.weight":
+                    value[TARGET_WIDTH:] = 1.3 * state[name][:WIDE - TARGET_WIDTH]
+            else:
+                value.copy_(state[name])
+    wide.save_pretrained(directory)
+    return directory

@@ -1,8 +1,9 @@
-"""An independent NumPy implementation of the warp (temperature -> top-k -> top-p -> min-p), written
-from the definitions, to check tinydraft_mlx.sampling.warp and to build oracle distributions."""
+"""Independent references: a NumPy warp (temperature -> top-k -> top-p -> min-p) written from the
+definitions, a brute-force windowed forward pass for bounded caches, and chi-square helpers."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -49,3 +50,28 @@ def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
         stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
         cells += 1
     return stat, max(cells - 1, 1)
+
+
+class _ExplicitWindow:
+    """A stand-in cache for one uncached forward pass over a whole sequence: stores nothing and
+    masks each position to [0, keep) plus the most recent W - keep positions, itself included."""
+
+    offset = 0
+
+    def __init__(self, window: int, keep: int = 4):
+        self.window, self.keep = window, keep
+
+    def make_mask(self, n, **_):
+        q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+        return mx.array((k <= q) & ((k < self.keep) | (k > q - (self.window - self.keep))))
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+
+def windowed_logits(model, ids, window: int, keep: int = 4) -> np.ndarray:
+    """(len(ids), V) float64 logits of one uncached pass in which each position attends to
+    positions [0, keep) and the most recent window - keep positions, itself included: what a
+    bounded cache of `window` positions must reproduce."""
+    cache = [_ExplicitWindow(window, keep) for _ in model.layers]
+    return np.array(model(mx.array([ids]), cache=cache)[0].astype(mx.float32)).astype(np.float64)

@@ -1,6 +1,7 @@
 """The BLAS preload (Linux CPU): a real BLAS gives the reference BLAS's numbers, the choice is
-reported, and a slow setup is warned about once with the fix. Each case runs in a fresh process,
-since the preload must happen before `mlx.core` is first imported."""
+reported from what the process really maps, and a slow setup is warned about once with the fix.
+Each case runs in a fresh process, since the preload must happen before `mlx.core` is first
+imported. CPU-only: on a GPU (and on macOS) MLX does not use this BLAS."""
 
 import json
 import platform
@@ -13,6 +14,8 @@ import pytest
 SCRIPT = """
 import json, sys, warnings
 warnings.simplefilter("always")
+if len(sys.argv) > 2:  # the mlx-lm user's natural order: mlx_lm first
+    import mlx_lm
 import tinydraft_mlx
 from tinydraft_mlx import load_models
 import mlx.core as mx
@@ -22,10 +25,18 @@ print(json.dumps({"blas": tinydraft_mlx.active_blas(), "logits": logits.tolist()
 """
 
 on_linux_x86 = sys.platform == "linux" and platform.machine() == "x86_64"
+pytestmark = pytest.mark.cpu_only
 
 
-def _run(blas: str, directory) -> tuple[dict, str]:
-    env_cmd = ["env", f"TINYDRAFT_BLAS={blas}", sys.executable, "-c", SCRIPT, str(directory)]
+def _mkl_path() -> str:
+    from tinydraft_mlx.backend import _mkl_candidates
+
+    return _mkl_candidates()[0]
+
+
+def _run(blas: str, directory, *extra: str, preload: str | None = None) -> tuple[dict, str]:
+    env = [f"TINYDRAFT_BLAS={blas}"] + ([f"LD_PRELOAD={preload}"] if preload else [])
+    env_cmd = ["env", *env, sys.executable, "-c", SCRIPT, str(directory), *extra]
     result = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
@@ -48,3 +59,24 @@ def test_unloadable_choice_falls_back_and_warns_once_with_the_fix(checkpoints):
     assert out["blas"] == "reference"
     assert "cannot load that library" in err
     assert err.count("pip install 'tinydraft-mlx[mkl]'") == 1
+
+
+@pytest.mark.skipif(not on_linux_x86, reason="the BLAS preload only acts on Linux x86-64 here")
+def test_mlx_lm_imported_first_is_detected_and_reported(checkpoints):
+    """`import mlx_lm` before tinydraft_mlx makes the preload too late: active_blas() says
+    "reference" (read from the process) and one notice names the fix."""
+    out, err = _run("auto", checkpoints["target"], "mlx-first")
+    assert out["blas"] == "reference"
+    assert err.count("imported before tinydraft_mlx") == 1
+    assert "import tinydraft_mlx before mlx and mlx_lm" in err
+
+
+@pytest.mark.skipif(not on_linux_x86, reason="the BLAS preload only acts on Linux x86-64 here")
+def test_blas_is_read_from_the_process_not_assumed(checkpoints):
+    """Same import order, but MKL put in the global scope by LD_PRELOAD: MLX binds to it, and
+    active_blas() says so (no notice); its logits equal the reference BLAS's."""
+    out, err = _run("auto", checkpoints["target"], "mlx-first", preload=_mkl_path())
+    assert out["blas"].startswith("mkl (") and "libmkl_rt" in out["blas"]
+    assert "reference BLAS" not in err
+    ref, _ = _run("off", checkpoints["target"])
+    np.testing.assert_allclose(np.array(out["logits"]), np.array(ref["logits"]), atol=1e-4)

@@ -1,5 +1,6 @@
 """`python -m tinydraft_mlx.generate`: a real run, and one-line errors with exit status 2."""
 
+import re
 import subprocess
 import sys
 
@@ -16,13 +17,30 @@ def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
     assert "speculative k=3: 20 tokens" in err
 
 
+EDITING = (
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
+    "class Vector:\n    def __init__(self, x, y):\n"
+)
+
+
 @pytest.mark.parametrize("draft", ["DRAFT", "prompt-lookup"])
 def test_cli_auto_k_and_prompt_lookup(checkpoints, capsys, draft):
-    draft = str(checkpoints["draft"]) if draft == "DRAFT" else draft
-    code = main(["--target", str(checkpoints["target"]), "--draft", draft, "-k", "auto",
-                 "--prompt", "a = b\na = b\na =", "--max-tokens", "20", "--verbose"])
+    """`-k auto` really adapts (plain rounds and drafting rounds both in the summary's histogram
+    of k), and `--draft prompt-lookup` really drafts and gets copies accepted (on the demo
+    target, which copies the repeated constructor: see test_demo)."""
+    lookup = draft == "prompt-lookup"
+    target = [] if lookup else ["--target", str(checkpoints["target"])]
+    draft = draft if lookup else str(checkpoints["draft"])
+    prompt = EDITING if lookup else "def parse_args("
+    code = main([*target, "--draft", draft, "-k", "auto", "--prompt", prompt,
+                 "--max-tokens", "40", "--verbose"])
     err = capsys.readouterr().err
-    assert code == 0 and "k=auto" in err and "20 tokens" in err, err
+    assert code == 0 and "speculative k=auto: 40 tokens" in err, err
+    assert f"draft: {draft}" in err
+    assert re.search(r"rounds by k \{0: \d+, [1-8]: \d+", err), err  # plain and drafting rounds
+    if lookup:
+        accepted = int(re.search(r"acceptance [\d.]+% \((\d+)/", err).group(1))
+        assert accepted >= 4, err
 
 
 def test_cli_bounded_cache(checkpoints, capsys):

@@ -1,14 +1,13 @@
 """The bundled demo pair: loads with no arguments, is lossless against the oracle with realistic
-(trained) logit margins, and its draft really imitates the target."""
+(trained) logit margins, and its draft really imitates the target. Oracle comparisons: CPU,
+float32."""
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.oracle import Oracle
-from tinydraft_mlx import generate, load_models
+from tinydraft_mlx import generate
 from tinydraft_mlx.generate import main
-from tinydraft_mlx.loading import DEMO_DIR
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
@@ -19,25 +18,30 @@ PROMPTS = [
 NEW_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return load_models()
-
-
 def _n_params(model) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def test_loads_with_no_arguments(demo):
-    target, draft, tok = demo
+def test_loads_with_no_arguments():
+    """The default load: the bundled pair, in the device's default dtype: float32 on the CPU, on
+    a GPU the checkpoint's own (the demo weights are stored in float16)."""
+    from tinydraft_mlx import load_models
+    from tinydraft_mlx.loading import DEMO_DIR
+
+    stored = {w.dtype for w in mx.load(str(DEMO_DIR / "target" / "model.safetensors")).values()}
+    assert stored == {mx.float16}
+    target, draft, tok = load_models()
     assert draft is not None and tok.eos_token_id is not None
     assert _n_params(target) >= 4 * _n_params(draft)
-    assert target.model.embed_tokens.weight.dtype == mx.float32
+    expected = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    assert target.model.embed_tokens.weight.dtype == expected
+    assert draft.model.layers[0].mlp.up_proj.weight.dtype == expected
 
 
-def test_demo_pair_is_lossless_against_oracle(demo):
+@pytest.mark.usefixtures("cpu_fp32")
+def test_demo_pair_is_lossless_against_oracle(demo, demo_oracle):
     target, draft, tok = demo
-    oracle = Oracle(DEMO_DIR / "target")
+    oracle = demo_oracle
     accepted = drafted = 0
     for text in PROMPTS:
         ids = tok.encode(text)
@@ -57,12 +61,13 @@ EDITING = (
 )
 
 
+@pytest.mark.usefixtures("cpu_fp32")
 @pytest.mark.parametrize("k", [4, "auto"])
-def test_prompt_lookup_copies_and_stays_lossless(demo, k):
+def test_prompt_lookup_copies_and_stays_lossless(demo, demo_oracle, k):
     """On a prompt that invites repetition the trained target copies, and lookup drafts get
     accepted; the output still equals the oracle's greedy continuation."""
     target, _, tok = demo
-    oracle = Oracle(DEMO_DIR / "target")
+    oracle = demo_oracle
     ids = tok.encode(EDITING)
     ref, margin = oracle.greedy(ids, NEW_TOKENS, eos=tok.eos_token_id)
     assert len(set(ref)) >= 8 and margin > 1e-3

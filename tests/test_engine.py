@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tinydraft_mlx import SamplingParams, generate, load_models, stream_generate
+from tinydraft_mlx import SamplingParams, generate, stream_generate
 from tinydraft_mlx.cache import cache_length, make_cache, rollback
 from tinydraft_mlx.speculative import decode, prefill
 
@@ -23,9 +23,9 @@ def reference(pair):
 
 
 @pytest.fixture(scope="module")
-def same_pair(checkpoints):
+def same_pair(load):
     """Target and an identical draft: every round is fully accepted."""
-    return load_models(str(checkpoints["target"]), str(checkpoints["target"]))
+    return load("target", "target")
 
 
 def _assert_cache_holds(model, cache, ids):
@@ -137,6 +137,7 @@ def test_stats_invariants(pair, temperature):
     assert 0.0 < stats.acceptance_rate < 1.0
     assert stats.mean_accepted_length == pytest.approx(stats.accepted / stats.rounds)
     assert stats.prefill_seconds > 0 and stats.tokens_per_second > 0
+    assert stats.peak_memory > 0  # mx.get_peak_memory(), GB
     line = stats.summary()
     assert "\n" not in line and "acceptance" in line and "tok/s" in line
 
@@ -145,6 +146,58 @@ def test_plain_summary(pair):
     target, _, tok = pair
     _, stats = generate(target, None, tok, PROMPT, max_tokens=5)
     assert stats.summary().startswith("plain decoding: 5 tokens")
+
+
+def test_draft_none_string_means_plain_decoding(pair, reference):
+    """"none" is accepted wherever a draft is named (load_models, the CLI, and here)."""
+    target, _, tok = pair
+    ids, ref = reference
+    out, stats = generate(target, "none", tok, ids, max_tokens=12)
+    assert out == ref[:12] and stats.drafted == 0 and stats.k == 0
+    assert [t.id for t in stream_generate(target, "None", tok, ids, max_tokens=3)] == ref[:3]
+
+
+class _Recording:
+    """A k="auto" policy playing plain rounds, then k = 2, recording what each round cost."""
+
+    SCHEDULE = [0, 0, 0, 0, 0, 2, 2]
+
+    def __init__(self):
+        self.updates = []
+
+    def choose(self, limit):
+        return min(self.SCHEDULE[len(self.updates) % len(self.SCHEDULE)], limit)
+
+    def update(self, k, accepted, seconds):
+        self.updates.append((k, seconds))
+
+
+def test_auto_charges_the_drafts_catch_up_to_its_round(pair, monkeypatch):
+    """After plain rounds the draft catches up on what it missed, like a prefill: that time is
+    part of the round that drafts next, so k="auto" must see it (a slowed catch-up shows)."""
+    import time
+
+    import tinydraft_mlx.speculative as spec
+
+    target, draft, tok = pair
+    policy = _Recording()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    real, in_rounds = spec.prefill, []
+
+    def slow_catch_up(model, cache, tokens, *args):
+        if in_rounds:
+            time.sleep(0.2)
+        real(model, cache, tokens, *args)
+
+    monkeypatch.setattr(spec, "prefill", slow_catch_up)
+    steps = stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20)
+    next(steps)
+    in_rounds.append(True)
+    list(steps)
+    ks = [k for k, _ in policy.updates]
+    assert ks[:7] == [0, 0, 0, 0, 0, 2, 2]
+    catch_up, after = policy.updates[5][1], policy.updates[6][1]
+    assert catch_up >= 0.2 and after < 0.2, policy.updates
 
 
 def test_api_name_survives_importing_the_cli(pair):
@@ -159,7 +212,7 @@ BAD_CALLS = [
     (dict(k=0), "k must be an integer in [1, 64]"),
     (dict(k=65), 'k must be an integer in [1, 64] or "auto"'),
     (dict(k="automatic"), 'k must be an integer in [1, 64] or "auto" (got \'automatic\')'),
-    (dict(draft="lookup"), 'draft must be a model, "prompt-lookup" or None'),
+    (dict(draft="lookup"), 'draft must be a model, "prompt-lookup", "none" or None'),
     (dict(k=2.0), "k must be an integer"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(temperature=-1.0), "temperature must be >= 0"),

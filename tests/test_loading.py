@@ -1,22 +1,26 @@
-"""load_models: RoPE base from transformers 5 configs, dtype, tokenizer checks, clear errors."""
+"""load_models: RoPE base from transformers 5 configs, dtype per device, lazy casting, default
+drafts, tokenizer checks, clear errors."""
 
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from tinydraft_mlx import ModelLoadError, load_models
-from tinydraft_mlx.loading import default_draft
+from tinydraft_mlx.backend import resolve_dtype
+from tinydraft_mlx.loading import default_draft, load_model
 
 PROMPT_IDS = [269, 70, 305, 83, 29, 342, 322, 12, 5, 77]
 
 
-def test_transformers5_rope_base_is_honoured(checkpoints, oracle):
+@pytest.mark.usefixtures("cpu_fp32")
+def test_transformers5_rope_base_is_honoured(checkpoints, oracle, load):
     config = json.loads((checkpoints["target"] / "config.json").read_text())
     assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"] == 10000.0
-    target, _, _ = load_models(str(checkpoints["target"]), "none")
+    target, _, _ = load("target")
     expected = oracle.logits(PROMPT_IDS)
     ours = np.array(target(mx.array([PROMPT_IDS]))[0])
     assert np.abs(ours - expected).max() < 1e-4
@@ -25,18 +29,61 @@ def test_transformers5_rope_base_is_honoured(checkpoints, oracle):
     assert np.abs(np.array(naive(mx.array([PROMPT_IDS]))[0]) - expected).max() > 1e-2
 
 
-def test_dtype_default_and_override(checkpoints):
-    target, draft, _ = load_models(str(checkpoints["target"]), str(checkpoints["draft"]))
-    assert target.model.embed_tokens.weight.dtype == mx.float32  # CPU backend default
-    assert draft.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
-    half, _, _ = load_models(str(checkpoints["target"]), "none", dtype="float16")
-    assert half.model.embed_tokens.weight.dtype == mx.float16
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A bfloat16 checkpoint (as Qwen2.5's are) with 4M weights: big enough to see a second copy
+    of the weights in the peak memory."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.fixtures import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("bf16")
+    build_tokenizer(directory)
+    config = Qwen2Config(vocab_size=448, hidden_size=256, intermediate_size=1024,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def test_default_dtype_per_device():
+    assert resolve_dtype(None, "cpu") == mx.float32  # BLAS-backed fp32 matmuls on the CPU
+    assert resolve_dtype(None, "gpu") is None  # a GPU keeps the checkpoint's own dtype
+    assert resolve_dtype("float16", "gpu") == mx.float16
+    assert resolve_dtype(mx.bfloat16, "cpu") == mx.bfloat16
+
+
+def test_dtype_default_and_override(bf16_checkpoint):
+    """On the CPU a bf16 checkpoint becomes float32; on a GPU it stays bf16 (as mlx-lm)."""
+    model, _ = load_model(bf16_checkpoint)
+    expected = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+    assert {w.dtype for _, w in tree_flatten(model.parameters())} == {expected}
+    half, _ = load_model(bf16_checkpoint, "float16")
+    assert {w.dtype for _, w in tree_flatten(half.parameters())} == {mx.float16}
     with pytest.raises(ValueError, match="dtype must be one of"):
-        load_models(str(checkpoints["target"]), "none", dtype="int8")
+        load_models(str(bf16_checkpoint), "none", dtype="int8")
 
 
-def test_draft_none_string_loads_no_draft(checkpoints):
-    _, draft, tok = load_models(str(checkpoints["target"]), "none")
+def test_cast_never_holds_two_copies(bf16_checkpoint):
+    """Casting bf16 weights to float32 at load: the peak memory stays within the float32 weights
+    plus a few stored tensors (materialising all bf16 weights first adds half again: measured
+    +8.3 MB here against a bound of +2.1 MB)."""
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()  # other tests' models, alive in this session
+    model, _ = load_model(bf16_checkpoint, "float32")
+    weights = [w for _, w in tree_flatten(model.parameters())]
+    total = sum(w.nbytes for w in weights)
+    largest_stored = max(w.size for w in weights) * 2  # bf16
+    assert total > 15e6
+    peak = mx.get_peak_memory() - before
+    assert peak <= total + 4 * largest_stored, (peak, total)
+
+
+def test_draft_none_string_loads_no_draft(load):
+    _, draft, tok = load("target", "none")
     assert draft is None and tok.eos_token_id is not None
 
 
@@ -77,3 +124,15 @@ def test_uncached_hub_id_offline_is_one_sentence(monkeypatch):
 )
 def test_default_draft_for_qwen25(target, draft):
     assert default_draft(target) == draft
+
+
+def test_default_draft_for_a_local_directory(tmp_path, monkeypatch):
+    """A relative local path such as models/Qwen2.5-7B is not a hub id: its default draft is the
+    0.5B sibling directory when there is one, else none (never "models/Qwen2.5-0.5B" looked up
+    on the hub)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "Qwen2.5-7B-Instruct").mkdir(parents=True)
+    assert default_draft("models/Qwen2.5-7B-Instruct") is None
+    (tmp_path / "models" / "Qwen2.5-0.5B-Instruct").mkdir()
+    assert default_draft("models/Qwen2.5-7B-Instruct") == "models/Qwen2.5-0.5B-Instruct"
+    assert default_draft("models/Qwen2.5-0.5B-Instruct") is None

@@ -1,12 +1,17 @@
 """Greedy speculative output equals the transformers CPU fp32 oracle, token for token.
 
 The fixture pair (tests/fixtures.py) is a 4-layer target with a 2-layer draft of narrower logit
-width, sharing one tokenizer, written by transformers 5 and loaded through load_models.
+width, sharing one tokenizer, written by transformers 5 and loaded through load_models. Runs on
+the CPU in float32, the oracle's device and precision.
 """
 
+import mlx.core as mx
 import pytest
 
-from tinydraft_mlx import PromptLookup, generate, load_models
+from tests.fixtures import TARGET_WIDTH
+from tinydraft_mlx import PromptLookup, generate
+
+pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
 PROMPTS = [
     "def parse_args(self, args=None, namespace=None):",
@@ -60,8 +65,8 @@ def test_string_prompt_matches_oracle(pair, references):
     assert out == references[text][1]
 
 
-def test_identical_draft_accepts_everything(checkpoints, references):
-    target, same, tok = load_models(str(checkpoints["target"]), str(checkpoints["target"]))
+def test_identical_draft_accepts_everything(load, references):
+    target, same, tok = load("target", "target")
     for ids, ref in references.values():
         out, stats = generate(target, same, tok, ids, k=4, max_tokens=NEW_TOKENS)
         assert out == ref
@@ -69,14 +74,45 @@ def test_identical_draft_accepts_everything(checkpoints, references):
         assert stats.per_position_acceptance == [1.0] * 4
 
 
-def test_unrelated_draft_still_matches(checkpoints, references):
-    target, unrelated, tok = load_models(str(checkpoints["target"]), str(checkpoints["unrelated"]))
+def test_unrelated_draft_still_matches(load, references):
+    target, unrelated, tok = load("target", "unrelated")
     accepted = drafted = 0
     for ids, ref in references.values():
         out, stats = generate(target, unrelated, tok, ids, k=4, max_tokens=NEW_TOKENS)
         assert out == ref
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
     assert accepted / drafted < 0.05
+
+
+class _InputGuard:
+    """The target, recording the largest id fed to it (a model as the decode loop sees one)."""
+
+    def __init__(self, model):
+        self.model, self.layers, self.args = model, model.layers, model.args
+        self.max_id = -1
+
+    def __call__(self, x, cache=None):
+        self.max_id = max(self.max_id, int(x.max()))
+        return self.model(x, cache=cache)
+
+
+def test_draft_wider_than_target(load, references):
+    """A draft whose vocabulary is wider than the target's proposes ids the target's embedding
+    lacks: they must never reach the target (clamped for the verify pass, an out-of-bounds read
+    otherwise), never be accepted, and the output must stay the oracle's."""
+    target, wide, tok = load("target", "wide_draft")
+    ids, _ = references[PROMPTS[0]]
+    proposals = mx.argmax(wide(mx.array([ids]))[0], axis=-1)
+    assert int(proposals.max()) >= TARGET_WIDTH, "fixture: the draft should propose such ids"
+    guarded = _InputGuard(target)
+    accepted = 0
+    for ids, ref in references.values():
+        for k in (1, 4):
+            out, stats = generate(guarded, wide, tok, ids, k=k, max_tokens=NEW_TOKENS)
+            assert out == ref
+            accepted += stats.accepted
+    assert guarded.max_id < TARGET_WIDTH
+    assert accepted > 0  # in-range proposals are still accepted
 
 
 @pytest.mark.parametrize("k", [2, 5, "auto"])

@@ -8,28 +8,12 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from tinydraft_mlx import generate, load_models
+from tests.reference import windowed_logits
+from tinydraft_mlx import generate
 from tinydraft_mlx.cache import KEEP, RollbackRotatingKVCache, make_cache
 from tinydraft_mlx.speculative import decode
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"  # 20 tokens
-
-
-class _ExplicitWindow:
-    """A stand-in cache for one uncached forward pass over a whole sequence: stores nothing and
-    masks each position to [0, keep) plus the most recent W - keep positions, itself included."""
-
-    offset = 0
-
-    def __init__(self, window: int, keep: int = KEEP):
-        self.window, self.keep = window, keep
-
-    def make_mask(self, n, **_):
-        q, k = np.arange(n)[:, None], np.arange(n)[None, :]
-        return mx.array((k <= q) & ((k < self.keep) | (k > q - (self.window - self.keep))))
-
-    def update_and_fetch(self, keys, values):
-        return keys, values
 
 
 def _reference_greedy(model, ids, window, n):
@@ -37,8 +21,7 @@ def _reference_greedy(model, ids, window, n):
     Returns the tokens and the smallest top-1/top-2 logit gap on the path."""
     seq, margin = list(ids), np.inf
     for _ in range(n):
-        cache = [_ExplicitWindow(window) for _ in model.layers]
-        last = np.array(model(mx.array([seq]), cache=cache)[0, -1])
+        last = windowed_logits(model, seq, window)[-1]
         top2 = np.sort(last)[-2:]
         margin = min(margin, top2[1] - top2[0])
         seq.append(int(last.argmax()))
@@ -46,8 +29,8 @@ def _reference_greedy(model, ids, window, n):
 
 
 @pytest.fixture(scope="module")
-def same_draft(checkpoints):
-    return load_models(str(checkpoints["target"]), str(checkpoints["target"]))[1]
+def same_draft(load):
+    return load("target", "target")[1]
 
 
 def test_plain_decoding_matches_brute_force_window(pair):

@@ -64,3 +64,26 @@ def test_out_of_range_names_parameter_range_and_value(field, value, allowed):
         SamplingParams(**{field: value})
     message = str(err.value)
     assert message.startswith(field) and allowed in message and repr(value) in message
+
+
+def test_sampling_order_differs_from_mlx_lm_as_documented():
+    """The README's example: ours warps temperature -> top-k -> top-p -> min-p; mlx-lm filters
+    at temperature 1, then divides by the temperature. Logits [2, 1, 0], T = 0.5, top_p = 0.7:
+    ours keeps token 0 only (0.87 of the mass at T = 0.5); mlx-lm keeps 0 and 1 and gives token 1
+    probability 0.12. And top-k = 1 with a tie: ours keeps both tied tokens, mlx-lm exactly one."""
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+    logits = mx.array([2.0, 1.0, 0.0])
+    ours = np.array(warp(logits, SamplingParams(temperature=0.5, top_p=0.7)))
+    np.testing.assert_allclose(ours, [1.0, 0.0, 0.0], atol=1e-7)
+    kept = apply_top_p(logits - mx.logsumexp(logits), 0.7)
+    theirs = np.array(mx.softmax(kept / 0.5))
+    np.testing.assert_allclose(theirs, [np.exp(4) / (np.exp(4) + np.exp(2)),
+                                        np.exp(2) / (np.exp(4) + np.exp(2)), 0.0], atol=1e-6)
+    assert round(float(theirs[1]), 2) == 0.12
+
+    tied = mx.array([1.0, 1.0, 0.0])
+    ours = np.array(warp(tied, SamplingParams(temperature=1.0, top_k=1)))
+    np.testing.assert_allclose(ours, [0.5, 0.5, 0.0], atol=1e-7)
+    theirs = np.array(apply_top_k(tied - mx.logsumexp(tied), 1))
+    assert np.isfinite(theirs).sum() == 1

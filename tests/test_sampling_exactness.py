@@ -4,8 +4,11 @@ exact two-step distribution.
 The oracle enumerates P(a, b) = p1(a) p2(b | a), each factor warped by the independent NumPy warp
 (tests/reference.py) from transformers fp32 logits. Our samples come from N independent seeds of
 `generate(k=2)`, whose first round drafts two tokens, so both the accept path and the residual
-resampling path shape the pair. The same for k="auto" (a plain round, then k = 1) and for
-prompt-lookup drafts (point-mass proposals).
+resampling path shape the pair. The same for k="auto" (a plain round, then k = 1), for
+prompt-lookup drafts (point-mass proposals), for a draft whose vocabulary is wider than the
+target's (its mass beyond the target's width is always rejected), and with a bounded cache
+(`max_kv_size` below the prompt's length: the exact joint then comes from a brute-force windowed
+forward pass, tests/reference.py, and the unbounded joint must be rejected).
 Bound: Pearson's chi-square over outcomes (cells with expected count < 5 pooled) against the
 Wilson-Hilferty 1 - 3.2e-5 quantile, and any outcome the warp rules out fails outright. The same
 samples scored against the distribution without top-p must exceed the threshold, which shows the
@@ -17,18 +20,22 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tests.reference import chi2_statistic, chi2_threshold, warp_np, windowed_logits
 from tinydraft_mlx import generate
+
+pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
 N = 2500
 PROMPT = "def parse_args(self, args=None):"
+WINDOW = 12  # max_kv_size of the bounded case; its prompt is longer
 
 
-def _two_step(oracle, ids, **warp_kw):
-    p1 = warp_np(oracle.logits(ids)[-1], **warp_kw)
+def _two_step(logits_of, ids, **warp_kw):
+    """The exact joint of the first two tokens; logits_of(ids) -> (len(ids), V) logits."""
+    p1 = warp_np(logits_of(ids)[-1], **warp_kw)
     joint = {}
     for a in np.flatnonzero(p1):
-        p2 = warp_np(oracle.logits(ids + [int(a)])[-1], **warp_kw)
+        p2 = warp_np(logits_of(ids + [int(a)])[-1], **warp_kw)
         for b in np.flatnonzero(p2):
             joint[(int(a), int(b))] = p1[a] * p2[b]
     return joint
@@ -49,7 +56,7 @@ class _PlainThenOne:
         pass
 
 
-def _case(name, pair, oracle):
+def _case(name, pair, oracle, load):
     """(draft, k, prompt ids) for each drafter. The prompt-lookup prompt P ends with a trigram
     that occurred earlier followed by tokens (a, b), so the first round drafts a and b as point
     masses (accepted with probability p(d), else resampled); a is made likely after P."""
@@ -59,6 +66,10 @@ def _case(name, pair, oracle):
         return draft, 2, ids
     if name == "auto":
         return draft, "auto", ids
+    if name == "wide":
+        return load("target", "wide_draft")[1], 2, ids
+    if name == "bounded":
+        return draft, 2, tok.encode("x = 1\n" + PROMPT)
     # the copied token should be likely where it is proposed: iterate a <- argmax p(. | P(a))
     a, b = oracle.greedy(ids, 2)[0]
     for _ in range(4):
@@ -66,28 +77,35 @@ def _case(name, pair, oracle):
     return "prompt-lookup", 2, ids + [a, b] + ids[-3:]
 
 
-@pytest.mark.parametrize("drafter", ["model", "auto", "prompt-lookup"])
+@pytest.mark.parametrize("drafter", ["model", "auto", "prompt-lookup", "wide", "bounded"])
 @pytest.mark.parametrize("warp_kw", [dict(temperature=1.0, top_p=0.8)])
-def test_first_two_tokens_follow_oracle(pair, oracle, warp_kw, drafter, monkeypatch):
+def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, monkeypatch):
     import tinydraft_mlx.speculative as spec
 
     monkeypatch.setattr(spec, "shared_policy", lambda *args: _PlainThenOne())
     target, _, tok = pair
-    draft, k, ids = _case(drafter, pair, oracle)
-    exact = _two_step(oracle, ids, **warp_kw)
+    draft, k, ids = _case(drafter, pair, oracle, load)
+    bounded = drafter == "bounded"
+    if bounded:  # the window's exact joint; the unbounded one is what must be told apart
+        assert len(ids) > WINDOW + 4
+        exact = _two_step(lambda s: windowed_logits(target, s, WINDOW), ids, **warp_kw)
+        wrong = _two_step(oracle.logits, ids, **warp_kw)
+    else:  # the exact joint; without top-p is what must be told apart
+        exact = _two_step(oracle.logits, ids, **warp_kw)
+        wrong = _two_step(oracle.logits, ids, temperature=warp_kw["temperature"])
     assert 10 < len(exact) < 2000  # a real distribution, small enough to be sampled well
     counts, from_draft = Counter(), Counter()
     for seed in range(N):
         out, stats = generate(target, draft, tok, ids, k=k, max_tokens=3, seed=seed,
-                              top_p=warp_kw["top_p"], temperature=warp_kw["temperature"])
+                              top_p=warp_kw["top_p"], temperature=warp_kw["temperature"],
+                              max_kv_size=WINDOW if bounded else None)
         counts[tuple(out[:2])] += 1
         from_draft[stats.accepted] += 1
     assert from_draft[0] > 0 and from_draft[1] + from_draft[2] > 0, from_draft  # both paths
     stat, df = chi2_statistic(counts, exact, N)
     assert stat < chi2_threshold(df), (stat, df)
 
-    untruncated = _two_step(oracle, ids, temperature=warp_kw["temperature"])
-    wrong_stat, wrong_df = chi2_statistic(counts, untruncated, N)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, N)
     assert wrong_stat > chi2_threshold(wrong_df)
 
 

@@ -6,6 +6,15 @@ costs k+1 single steps, so speculation cannot pay); a real BLAS loaded with RTLD
 global state, run by `tinydraft_mlx/__init__.py` first thing and switchable with
 TINYDRAFT_BLAS=auto|mkl|openblas|off|/path/to/lib.so (auto: MKL from the `mkl` extra, else a
 system OpenBLAS). It does nothing on macOS, where MLX uses Metal and Accelerate.
+
+What MLX really uses is read from the process, not assumed: `active_blas()` names the library that
+provides `cblas_sgemm` in the global symbol scope (an LD_PRELOAD, or a library loaded with
+RTLD_GLOBAL before `mlx.core`), which is where MLX's calls bind; with none there they bind to the
+reference BLAS bundled in the `mlx[cpu]` wheel. So `import mlx_lm` before `tinydraft_mlx` (the
+preload then comes too late) is reported as the reference BLAS, with a notice and the fix.
+
+Also here: the default dtype for a device (float32 on the CPU, the checkpoint's own on a GPU) and
+the dedicated stream generation runs on (as mlx-lm's `generation_stream`).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from pathlib import Path
 
 BLAS_ENV = "TINYDRAFT_BLAS"
 _blas: str | None = None  # what preload_blas() settled on
+_late = False  # mlx.core was imported before preload_blas() could act
 _warned = False
 
 
@@ -42,42 +52,67 @@ def _load_first(kind: str, paths: list[str]) -> str | None:
     return None
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def mapped_blas() -> str:
+    """The BLAS that `cblas_sgemm` resolves to in this process's global symbol scope, where MLX's
+    calls bind first: "mkl (path)", "openblas (path)", "other (path)", or "reference" when no
+    library there provides it (MLX then uses the reference BLAS bundled in its wheel). Linux only.
+    """
+    process = ctypes.CDLL(None)  # dlopen(NULL): the global scope
+    try:
+        address = ctypes.cast(process.cblas_sgemm, ctypes.c_void_p).value
+    except AttributeError:
+        return "reference"
+    info = _DlInfo()
+    if not process.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+        return "other (unknown library)"
+    path = os.path.realpath(info.dli_fname.decode())
+    name = os.path.basename(path).lower()
+    kind = "mkl" if "mkl" in name else "openblas" if "openblas" in name else "other"
+    return f"{kind} ({path})"
+
+
 def preload_blas(choice: str | None = None) -> str:
-    """Load the chosen BLAS before MLX is imported and return its name (idempotent)."""
-    global _blas
+    """Load the chosen BLAS before MLX is imported and return the BLAS MLX then uses
+    (idempotent). Too late once `mlx.core` is imported: that is detected and reported."""
+    global _blas, _late
     if _blas is not None:
         return _blas
     if sys.platform != "linux":
         _blas = "platform default"
         return _blas
     choice = (choice or os.environ.get(BLAS_ENV) or "auto").strip()
-    if "mlx.core" in sys.modules and choice != "off":
-        _blas = "unknown (mlx.core was imported before tinydraft_mlx)"
-        return _blas
-    if choice == "off":
-        _blas = "reference"
-        return _blas
+    _late = "mlx.core" in sys.modules
+    if not _late and choice != "off":
+        _load_choice(choice)
+    _blas = mapped_blas()
+    return _blas
+
+
+def _load_choice(choice: str) -> None:
     tried = {
         "mkl": lambda: _load_first("mkl", _mkl_candidates()),
         "openblas": lambda: _load_first("openblas", _openblas_candidates()),
     }
     if choice == "auto":
-        _blas = tried["mkl"]() or tried["openblas"]() or "reference"
+        tried["mkl"]() or tried["openblas"]()
     elif choice in tried:
-        _blas = tried[choice]() or "reference"
-        if _blas == "reference":
+        if tried[choice]() is None:
             warnings.warn(f"{BLAS_ENV}={choice}: library not found; using the reference BLAS. "
-                          "For MKL: pip install 'tinydraft-mlx[mkl]'", stacklevel=2)
-    else:
-        _blas = _load_first("custom", [choice]) or "reference"
-        if _blas == "reference":
-            warnings.warn(f"{BLAS_ENV}={choice}: cannot load that library; using the reference "
-                          "BLAS", stacklevel=2)
-    return _blas
+                          "For MKL: pip install 'tinydraft-mlx[mkl]'", stacklevel=3)
+    elif _load_first("custom", [choice]) is None:
+        warnings.warn(f"{BLAS_ENV}={choice}: cannot load that library; using the reference "
+                      "BLAS", stacklevel=3)
 
 
 def active_blas() -> str:
-    """The BLAS MLX's CPU backend uses in this process (after `preload_blas`)."""
+    """The BLAS MLX's CPU backend uses in this process, read from the process (see
+    `mapped_blas`): "mkl (path)", "openblas (path)", "reference", or "platform default" off
+    Linux."""
     return _blas if _blas is not None else preload_blas()
 
 
@@ -89,11 +124,16 @@ def warn_if_slow_blas() -> None:
     if os.environ.get(BLAS_ENV, "auto").strip() == "off":
         return
     _warned = True
+    if _late:
+        fix = ("mlx.core was imported before tinydraft_mlx, so its BLAS preload came too late. "
+               "Fix: import tinydraft_mlx before mlx and mlx_lm (or start Python with "
+               "LD_PRELOAD=/path/to/libmkl_rt.so), then restart.")
+    else:
+        fix = ("Fix: pip install 'tinydraft-mlx[mkl]' (or install libopenblas0), then restart; "
+               f"{BLAS_ENV}=off silences this.")
     warnings.warn(
         "MLX is running on the CPU with the reference BLAS (about 6x slower decoding, 60x slower "
-        "prefill, and verification that costs k+1 single steps). Fix: pip install "
-        "'tinydraft-mlx[mkl]' (or install libopenblas0), then restart; "
-        f"{BLAS_ENV}=off silences this.",
+        f"prefill, and verification that costs k+1 single steps). {fix}",
         stacklevel=3,
     )
 
@@ -105,21 +145,24 @@ def device_name() -> str:
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
-def default_dtype():
-    """float32 on the CPU backend (half-precision matmuls there skip BLAS and are slower),
-    float16 on a GPU backend."""
+def default_dtype(device: str | None = None):
+    """The weight dtype when none is asked for: float32 on the CPU backend (half-precision and
+    quantized matmuls there skip BLAS and measured slower), None on a GPU: keep the checkpoint's
+    own dtype, as mlx-lm does (bfloat16 for Qwen2.5; casting bf16-trained weights to float16
+    risks overflow). `device`: "cpu" or "gpu", default `device_name()`."""
     import mlx.core as mx
 
-    return mx.float16 if device_name() == "gpu" else mx.float32
+    return None if (device or device_name()) == "gpu" else mx.float32
 
 
-def resolve_dtype(dtype):
-    """Turn None, a name ("float32", "float16", "bfloat16") or an mx.Dtype into an mx.Dtype."""
+def resolve_dtype(dtype, device: str | None = None):
+    """Turn None, a name ("float32", "float16", "bfloat16") or an mx.Dtype into the dtype to cast
+    the weights to; None means keep the checkpoint's own (see `default_dtype`)."""
     import mlx.core as mx
 
     names = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
     if dtype is None:
-        return default_dtype()
+        return default_dtype(device)
     if isinstance(dtype, mx.Dtype):
         if dtype not in names.values():
             raise ValueError(f"dtype must be one of {sorted(names)} (got {dtype})")
@@ -127,3 +170,20 @@ def resolve_dtype(dtype):
     if dtype not in names:
         raise ValueError(f"dtype must be one of {sorted(names)} (got {dtype!r})")
     return names[dtype]
+
+
+_streams: dict[str, object] = {}
+
+
+def generation_stream():
+    """The stream generation runs on: one per device, thread-local (each thread that generates
+    gets its own), created on first use for the current default device, as mlx-lm's
+    `generation_stream` (kept apart from whatever else the process queues on the default
+    stream)."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    name = str(device)
+    if name not in _streams:
+        _streams[name] = mx.new_thread_local_stream(device)
+    return _streams[name]

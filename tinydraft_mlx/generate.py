@@ -58,7 +58,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-size", default=None,
                    help="bound each KV cache to this many positions (default: unbounded)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="weight dtype (default float32 on CPU, float16 on GPU)")
+                   help="weight dtype (default: float32 on the CPU, the checkpoint's own "
+                        "dtype on a GPU, e.g. bfloat16 for Qwen2.5)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--verbose", action="store_true", help="print the models and settings used")
     return p

@@ -14,14 +14,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from . import skinny
 from .backend import resolve_dtype, warn_if_slow_blas
-from .lookup import PROMPT_LOOKUP, PromptLookup
+from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
-NO_DRAFT = "none"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
 _QWEN25 = re.compile(
     r"^(?P<org>[^/]+)/Qwen2\.5-(?P<family>Coder-)?(?P<size>\d+(?:\.\d+)?)B(?P<rest>.*)$"
@@ -70,7 +70,10 @@ def _rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_model(name: str | Path, dtype: str | mx.Dtype | None = None) -> tuple[nn.Module, Any]:
-    """Load one checkpoint through mlx-lm: (model, tokenizer), weights cast to `dtype`."""
+    """Load one checkpoint through mlx-lm: (model, tokenizer), floating-point weights cast to
+    `dtype` (None: float32 on the CPU, the checkpoint's own dtype on a GPU; quantized weights stay
+    quantized). Loading is lazy and the cast happens before the weights are materialised, so a
+    cast never holds two copies of the weights."""
     dt = resolve_dtype(dtype)
     path = resolve_model_path(name)
     config_file = path / "config.json"
@@ -78,11 +81,13 @@ def load_model(name: str | Path, dtype: str | mx.Dtype | None = None) -> tuple[n
         raise ModelLoadError(f"{str(name)!r} has no config.json: not a model checkpoint")
     config = json.loads(config_file.read_text())
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=_rope_overrides(config))
+        model, tokenizer = mlx_lm_load(str(path), model_config=_rope_overrides(config), lazy=True)
     except (FileNotFoundError, ValueError) as err:
         raise ModelLoadError(f"could not load {str(name)!r}: {err}") from None
-    model.set_dtype(dt)
-    mx.eval(model.parameters())
+    if dt is not None:
+        model.set_dtype(dt)
+    for _, weight in tree_flatten(model.parameters()):
+        mx.eval(weight)  # one tensor at a time: its stored copy is freed before the next is read
     return model, tokenizer
 
 
@@ -113,15 +118,21 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
         )
 
 
-def default_draft(target: str | None) -> str | None:
-    """The draft to use when none is named: the bundled demo draft for the demo target, the
-    Qwen2.5-0.5B of the same publisher, family and suffix for a Qwen2.5 hub id, else None."""
+def default_draft(target: str | Path | None) -> str | None:
+    """The draft to use when none is named: the bundled demo draft for the demo target; for a
+    Qwen2.5 hub id, the Qwen2.5-0.5B of the same publisher, family and suffix; for a local
+    Qwen2.5 directory, that 0.5B name as a sibling directory if one exists; else None."""
     if target is None:
         return str(DEMO_DIR / "draft")
-    m = _QWEN25.match(str(target))
+    local = Path(target).expanduser()
+    m = _QWEN25.match(str(target) if not local.exists() else f"local/{local.name}")
     if m is None or m["size"] == "0.5":
         return None
-    return f"{m['org']}/Qwen2.5-{m['family'] or ''}0.5B{m['rest']}"
+    name = f"Qwen2.5-{m['family'] or ''}0.5B{m['rest']}"
+    if not local.exists():
+        return f"{m['org']}/{name}"
+    sibling = local.parent / name
+    return str(sibling) if sibling.is_dir() else None
 
 
 def load_models(
@@ -136,7 +147,7 @@ def load_models(
     draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft;
     "prompt-lookup" returns a `PromptLookup` drafter (no model).
     dtype: "float32", "float16", "bfloat16" or an mx.Dtype; default float32 on the CPU backend and
-    float16 on a GPU.
+    the checkpoint's own dtype on a GPU (as mlx-lm: bfloat16 for Qwen2.5).
 
     On the CPU backend both models' large projections take the skinny-matmul path (see
     `tinydraft_mlx.skinny`; `skinny.disable(model)` turns it off).

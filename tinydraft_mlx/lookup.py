@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .sampling import check_int
 
-PROMPT_LOOKUP = "prompt-lookup"
+PROMPT_LOOKUP = "prompt-lookup"  # the draft argument that selects this drafter
+NO_DRAFT = "none"  # the draft argument for plain decoding
 
 
 class PromptLookup:

@@ -1,9 +1,10 @@
 """Choosing the draft length every round (`k="auto"`): measure, then maximise tokens per second.
 
-DESIGN.md's model: a round that drafts k tokens emits E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i
-tokens (alpha_i: probability that draft position i is accepted given the ones before it were) and
-costs R(k) seconds (k draft steps, one verify of k + 1 tokens, the host's share). The policy picks
-argmax_k E(k) / R(k) over k = 0 (plain decoding) .. k_max.
+The model (docs/design.md): a round that drafts k tokens emits
+E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens (alpha_i: probability that draft position i is
+accepted given the ones before it were) and costs R(k) seconds (k draft steps, one verify of k + 1
+tokens, the host's share, and after plain rounds the draft's catch-up on what it missed). The
+policy picks argmax_k E(k) / R(k) over k = 0 (plain decoding) .. k_max.
 
 Both sides are measured online, not assumed:
 - alpha_i: accepted / reached counts per position, discounted by `decay` at every speculative

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import wired_limit
 
+from .backend import generation_stream
 from .cache import KEEP, Cache, cache_length, make_cache, rollback
-from .lookup import PROMPT_LOOKUP, PromptLookup
+from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
 from .policy import AUTO, AUTO_MAX_K, shared_policy
 from .rejection import greedy_accept, speculative_accept
 from .sampling import ParameterError, SamplingParams, check_int, warp
@@ -60,6 +62,7 @@ def prefill(model: nn.Module, cache: Cache, tokens: list[int], step: int = PREFI
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
         mx.eval([layer.state for layer in cache])
+        mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
 
 
 def _draft_chain(
@@ -100,8 +103,16 @@ def _verify(
     params: SamplingParams,
     key: mx.array | None,
 ) -> list[int]:
-    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync."""
+    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync.
+
+    A draft with a wider vocabulary can propose ids beyond the target's embedding: they are
+    clamped for the forward pass only (an out-of-bounds read otherwise; undefined on Metal).
+    Such a proposal is never accepted (p is 0 there, and argmax p is below the width), so the
+    positions after it, the only ones the clamp changes, are always discarded."""
     x = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
+    width = vocab_width(target)
+    if width is not None:
+        x = mx.minimum(x, width - 1)
     logits = target(x[None], cache=cache)  # (1, k+1, Vp)
     if params.greedy:
         n, token = greedy_accept(mx.argmax(logits, axis=-1), drafts[None])
@@ -145,7 +156,11 @@ def decode(
     `stream_generate`). `draft` is a model, a `PromptLookup`, or None (plain decoding); `k` an int
     or "auto" (a `DraftLengthPolicy` picks it every round). Caches may be passed in holding a
     prefix of `prompt` (it is not recomputed); whenever the generator stops (length, EOS, close)
-    each cache holds at most seq[:-1]."""
+    each cache holds at most seq[:-1].
+
+    As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
+    limit is raised to the device's recommended working set for the generation (Metal; a no-op
+    elsewhere)."""
     lookup = draft if isinstance(draft, PromptLookup) else None
     model = None if lookup is not None else draft
     target_cache = make_cache(target) if target_cache is None else target_cache
@@ -158,7 +173,6 @@ def decode(
                 f"{name} must hold at most len(prompt) - 1 = {len(prompt) - 1} tokens "
                 f"(got {cache_length(cache)})"
             )
-    eos = frozenset(eos_token_ids)
     seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
     key = mx.random.key(seed)
     policy = None
@@ -166,66 +180,88 @@ def decode(
     stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt))
     seq = list(prompt)
     index = lookup.index(seq) if lookup is not None else None
+    stream = generation_stream()
 
-    start = time.perf_counter()
-    prefill(target, target_cache, seq[cache_length(target_cache) : -1])
-    target_prefill = time.perf_counter() - start
-    if model is not None:
-        prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
-    stats.prefill_seconds = time.perf_counter() - start
-    if k == AUTO and draft is not None:
-        # the draft/target cost ratio seen in prefill seeds the first guess of a draft step's cost
-        draft_prefill = stats.prefill_seconds - target_prefill
-        ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
-        draft_key = repr(lookup) if lookup is not None else model
-        policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)))
-        stats.policy = policy
-    try:
-        while stats.generated < max_tokens:
-            start = time.perf_counter()
-            catch_up = 0.0
-            # never draft more than can be emitted: a round emits up to k_round + 1 tokens
-            limit = max_tokens - stats.generated - 1
-            k_round = min(k_cap, limit) if policy is None else policy.choose(limit)
-            draft_key = verify_key = None  # greedy rounds use no randomness
-            if not sampling.greedy:
-                key, draft_key, verify_key = mx.random.split(key, 3)
-            drafts, q = mx.zeros((0,), dtype=mx.int32), None
-            if k_round and lookup is not None:
-                proposal = index.propose(k_round)
-                k_round = len(proposal)
-                if proposal:
-                    drafts = mx.array(proposal, dtype=mx.int32)
-                    q = None if sampling.greedy else _point_mass(drafts, vocab_width(target))
-            elif k_round:
-                unseen = seq[cache_length(draft_cache) :]
-                if len(unseen) > 2:  # after plain rounds (k="auto"): catch up like a prefill
-                    prefill(model, draft_cache, unseen[:-1])
-                    unseen = unseen[-1:]
-                    catch_up = time.perf_counter() - start
-                drafts, q = _draft_chain(model, draft_cache, unseen, k_round, sampling, draft_key)
-            n, token, *proposed = _verify(
-                target, target_cache, seq[-1], drafts, q, sampling, verify_key
-            )
-            # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k (nor the
-            # bonus token): it stays behind and catches up at the start of the next round.
-            _rollback_both(target_cache, draft_cache, len(seq) + n)
-            stats.record_round(k_round, n)
-            elapsed = time.perf_counter() - start
-            stats.decode_seconds += elapsed
-            if policy is not None:
-                policy.update(k_round, n, elapsed - catch_up)
-            for i, tok in enumerate(proposed[:n] + [token]):
-                seq.append(tok)
-                stats.generated += 1
-                yield Token(tok, i < n, stats)
-                if tok in eos:
-                    stats.finish_reason = "eos"
-                    return
-        stats.finish_reason = "length"
-    finally:
-        stats.finish_reason = stats.finish_reason or "closed"
-        _rollback_both(target_cache, draft_cache, len(seq) - 1)
+    with wired_limit((target, model), [stream]):
+        start = time.perf_counter()
+        with mx.stream(stream):
+            prefill(target, target_cache, seq[cache_length(target_cache) : -1])
+            target_prefill = time.perf_counter() - start
+            if model is not None:
+                prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
+        stats.prefill_seconds = time.perf_counter() - start
+        if k == AUTO and draft is not None:
+            # the draft/target cost ratio seen in prefill seeds the first guess of a draft step
+            draft_prefill = stats.prefill_seconds - target_prefill
+            ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
+            draft_key = repr(lookup) if lookup is not None else model
+            policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)))
+            stats.policy = policy
+        eos = frozenset(eos_token_ids)
+        try:
+            while stats.generated < max_tokens:
+                start = time.perf_counter()
+                # never draft more than can be emitted: a round emits up to k_round + 1 tokens
+                limit = max_tokens - stats.generated - 1
+                k_round = min(k_cap, limit) if policy is None else policy.choose(limit)
+                draft_key = verify_key = None  # greedy rounds use no randomness
+                if not sampling.greedy:
+                    key, draft_key, verify_key = mx.random.split(key, 3)
+                with mx.stream(stream):
+                    drafts, q = _propose(model, draft_cache, index, seq, k_round, sampling,
+                                         draft_key, vocab_width(target))
+                    n, token, *proposed = _verify(
+                        target, target_cache, seq[-1], drafts, q, sampling, verify_key
+                    )
+                # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k (nor
+                # the bonus token): it stays behind and catches up at the start of the next round.
+                _rollback_both(target_cache, draft_cache, len(seq) + n)
+                stats.record_round(len(proposed), n)
+                elapsed = time.perf_counter() - start
+                stats.decode_seconds += elapsed
+                stats.peak_memory = mx.get_peak_memory() / 1e9
+                if policy is not None:  # the round's whole cost, the draft's catch-up included
+                    policy.update(len(proposed), n, elapsed)
+                for i, tok in enumerate(proposed[:n] + [token]):
+                    seq.append(tok)
+                    stats.generated += 1
+                    yield Token(tok, i < n, stats)
+                    if tok in eos:
+                        stats.finish_reason = "eos"
+                        return
+            stats.finish_reason = "length"
+        finally:
+            stats.finish_reason = stats.finish_reason or "closed"
+            _rollback_both(target_cache, draft_cache, len(seq) - 1)
+
+
+def _propose(
+    model: nn.Module | None,
+    draft_cache: Cache | None,
+    index: NgramIndex | None,
+    seq: list[int],
+    k: int,
+    sampling: SamplingParams,
+    key: mx.array | None,
+    target_width: int | None,
+) -> tuple[mx.array, mx.array | None]:
+    """Up to k draft tokens (k,) and, when sampling, their distributions q (k, V): from the
+    n-gram index (point masses), or from the draft model, which first catches up on what it has
+    not seen (after plain rounds of k="auto": like a prefill)."""
+    empty = mx.zeros((0,), dtype=mx.int32), None
+    if k == 0:
+        return empty
+    if index is not None:
+        proposal = index.propose(k)
+        if not proposal:
+            return empty
+        drafts = mx.array(proposal, dtype=mx.int32)
+        return drafts, None if sampling.greedy else _point_mass(drafts, target_width)
+    unseen = seq[cache_length(draft_cache) :]
+    if len(unseen) > 2:
+        prefill(model, draft_cache, unseen[:-1])
+        unseen = unseen[-1:]
+    return _draft_chain(model, draft_cache, unseen, k, sampling, key)
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int | None = None) -> list[int]:
@@ -267,10 +303,14 @@ def check_k(k: int | str) -> None:
 
 
 def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | PromptLookup | None:
-    """A draft argument as the decode loop takes it: "prompt-lookup" becomes a `PromptLookup`."""
+    """A draft argument as the decode loop takes it: "prompt-lookup" becomes a `PromptLookup`,
+    "none" (as in `load_models` and the CLI) becomes None."""
     if isinstance(draft, str):
+        if draft.lower() == NO_DRAFT:
+            return None
         if draft.lower() != PROMPT_LOOKUP:
-            raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}" or None', draft)
+            allowed = f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None'
+            raise ParameterError("draft", allowed, draft)
         return PromptLookup()
     return draft
 
@@ -291,10 +331,23 @@ def stream_generate(
     max_kv_size: int | None = None,
 ) -> Iterator[Token]:
     """Generate from `target`, drafting with `draft` (a model; "prompt-lookup" or a `PromptLookup`
-    to copy n-gram continuations from prompt + output; None: plain decoding), yielding each `Token`
-    as it is accepted. Output is distributed exactly as plain sampling from `target` with the same
-    warp (greedy when temperature is 0: token-identical to plain greedy decoding). Generation ends
-    after `max_tokens` tokens or an EOS token (which is emitted).
+    to copy n-gram continuations from prompt + output; None or "none": plain decoding), yielding
+    each `Token` as it is accepted. Generation ends after `max_tokens` tokens or an EOS token
+    (which is emitted).
+
+    Exactness: sampled output is distributed exactly as plain sampling from `target` with the
+    same warp. Greedy output (temperature 0) is plain greedy decoding's, up to the float
+    difference between a one-row and a (k+1)-row forward pass: the verify pass scores k+1 rows at
+    once, and matmuls of different shapes round differently (fp32 logits of the demo target differ
+    by up to ~3e-6; half precision by more), so only a near-tie (top-2 logit gap of that size) can
+    flip.
+
+    Sampling order: temperature -> top-k -> top-p -> min-p (transformers' and vLLM's order), and
+    top-k keeps ties with the k-th logit. mlx-lm filters at temperature 1 first (top-p, min-p,
+    top-k, exactly k tokens), then applies the temperature. Example: logits [2, 1, 0],
+    temperature 0.5, top_p 0.7: here token 0 gets probability 1 (0.87 of the mass at T=0.5);
+    mlx-lm keeps tokens 0 and 1 (0.67 of the mass at T=1 is below 0.7) and samples token 1 with
+    probability 0.12.
 
     `max_kv_size` W bounds both caches: each token attends to the first 4 positions and the most
     recent W - 4 (as mlx-lm's rotating cache), and output equals plain decoding with the same W.

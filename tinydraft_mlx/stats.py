@@ -31,6 +31,7 @@ class GenerationStats:
     k_histogram: dict[int, int] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    peak_memory: float = 0.0  # GB, mx.get_peak_memory() after the latest round (as mlx-lm)
     finish_reason: str | None = None  # "length", "eos" or "closed"
     blas: str = field(default_factory=active_blas)  # which BLAS MLX's CPU backend used
     policy: Any = field(default=None, repr=False, compare=False)  # the k="auto" policy, if any
@@ -76,7 +77,7 @@ class GenerationStats:
         speed = (
             f"{self.generated} tokens in {self.decode_seconds:.2f}s "
             f"({self.tokens_per_second:.1f} tok/s), prompt {self.prompt_tokens} tokens "
-            f"in {self.prefill_seconds:.2f}s"
+            f"in {self.prefill_seconds:.2f}s, peak memory {self.peak_memory:.3f} GB"
         )
         if not self.drafted:
             return f"plain decoding: {speed}" + ("" if self.k == 0 else f" (k={self.k}: no drafts)")
