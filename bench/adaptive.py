@@ -28,6 +28,7 @@ from oracle_draft import OracleDraft
 
 from bench import PROMPTS, ours
 from tinydraft_mlx import active_blas, load_models
+from tinydraft_mlx.backend import default_dtype
 
 EDITING = [
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
@@ -138,7 +139,9 @@ def main() -> None:
     ap.add_argument("--reuse-oracle", action="store_true",
                     help="keep part 1 from the existing results/<name>.json, rerun part 2")
     args = ap.parse_args()
-    report = {"settings": {**vars(args), "dtype": "float32", "blas": active_blas()},
+    dtype = default_dtype()  # what both parts' load_models() cast to (None: kept as stored)
+    report = {"settings": {**vars(args), "dtype": str(dtype or "checkpoint's own"),
+                           "blas": active_blas()},
               "machine": machine()}
     report["lookup"] = part_lookup(args)
     if args.reuse_oracle:

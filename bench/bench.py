@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, pyplot, save
+from common import machine, model_dtype, pyplot, save
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 from oracle_draft import OracleDraft
@@ -59,9 +60,13 @@ def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed):
     return out, rate, tokens[-1].stats
 
 
-def theirs(target, draft, ids, *, k, max_tokens, temp, seed):
-    """mlx-lm's own loops on stock mlx modules (our skinny matmul switched off for the run);
-    returns ids, decode tokens/s and per token whether it came from the draft."""
+def theirs(target, draft, ids, *, k, max_tokens, temp, seed, same_kernels=False):
+    """mlx-lm's own loops; returns ids, decode tokens/s and per token whether it came from the
+    draft. By default on stock mlx modules (our CPU-only skinny matmul switched off for the run):
+    what an mlx-lm user gets. same_kernels=True keeps the skinny modules ours run on, so that
+    ours / theirs measures the loop alone."""
+    if same_kernels:
+        return _theirs(target, draft, ids, k=k, max_tokens=max_tokens, temp=temp, seed=seed)
     models = [m for m in (target, getattr(draft, "draft", draft)) if m is not None]
     for m in models:
         skinny.disable(m)
@@ -117,11 +122,14 @@ def mlx_lm_acceptance(from_draft: list[bool], k: int, max_tokens: int) -> float:
     return accepted / drafted if drafted else 0.0
 
 
-def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs, plain) -> dict:
-    """Ours and mlx-lm's speculative loops on every prompt at one (temperature, alpha, k)."""
+def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs, plain,
+         kernel_gain) -> dict:
+    """Ours and mlx-lm's speculative loops on every prompt at one (temperature, alpha, k); when
+    `kernel_gain` (the skinny matmul changes our kernels), mlx-lm also on our kernels."""
     t_d, t_1, t_v = costs
     kw = dict(max_tokens=args.max_tokens, temp=temp, seed=args.seed)
     row = {"temp": temp, "alpha_oracle": alpha, "k": k, "ours": [], "mlx_lm": [],
+           "mlx_lm_same_kernels": [],
            "mlx_lm_from_draft": [], "mlx_lm_acceptance": [], "acceptance": [],
            "per_position": [], "rounds": [], "decode_s": []}
     for ids, ref in zip(prompts, references):
@@ -136,11 +144,18 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
         row["mlx_lm"].append(their_rate)
         row["mlx_lm_from_draft"].append(sum(flags) / len(flags))
         row["mlx_lm_acceptance"].append(mlx_lm_acceptance(flags, k, args.max_tokens))
+        if kernel_gain:
+            row["mlx_lm_same_kernels"].append(theirs(target, d, ids, k=k, same_kernels=True,
+                                                     **kw)[1])
     positions = [p for pp in row["per_position"] for p in pp[:1]]
     alpha_pos = statistics.mean(positions) if positions else 0.0
     row["speedup_ours"] = statistics.mean(row["ours"]) / statistics.mean(plain["ours"])
     row["speedup_mlx_lm"] = statistics.mean(row["mlx_lm"]) / statistics.mean(plain["ours"])
     row["ours_vs_mlx_lm"] = statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm"])
+    # the loop's own gain: both engines on the same (skinny) kernels; None when they are stock
+    row["ours_vs_mlx_lm_same_kernels"] = (
+        statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm_same_kernels"])
+        if row["mlx_lm_same_kernels"] else None)
     row["predicted_speedup"] = leviathan(alpha_pos, k, t_d, t_1, t_v[k + 1])
     row["measured_vs_predicted"] = row["speedup_ours"] / row["predicted_speedup"]
     round_ms = 1000 * sum(row["decode_s"]) / sum(row["rounds"])
@@ -149,8 +164,10 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
     row["overhead_fraction"] = max(0.0, round_ms - row["model_round_ms"]) / round_ms
     row["acceptance_mean"] = statistics.mean(row["acceptance"])
     row["mlx_lm_acceptance_mean"] = statistics.mean(row["mlx_lm_acceptance"])
+    same = row["ours_vs_mlx_lm_same_kernels"]
     print(f"T={temp} alpha={alpha} k={k}: ours {row['speedup_ours']:.2f}x plain, "
-          f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f}, "
+          f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f}"
+          + (f" ({same:.2f} on the same kernels), " if same else ", ") +
           f"predicted {row['predicted_speedup']:.2f}x, acceptance {row['acceptance_mean']:.2f} "
           f"(mlx-lm {row['mlx_lm_acceptance_mean']:.2f}), overhead {row['overhead_fraction']:.1%}",
           flush=True)
@@ -172,6 +189,9 @@ def main() -> None:
     target, draft, tok = load_models(args.target, args.draft)
     n_skinny = sum(1 for m in (target, draft) for _, x in m.named_modules()
                    if type(x).__name__.startswith("Skinny"))
+    # the skinny path only changes kernels on the CPU for weights of MIN_WEIGHT or more
+    kernel_gain = n_skinny > 0 and any(
+        w.size >= skinny.MIN_WEIGHT for _, w in tree_flatten(target.parameters()))
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     kw = dict(max_tokens=args.max_tokens, temp=0.0, seed=args.seed)
     ours(target, draft, tok, prompts[0], k=2, max_tokens=8, temp=0.0, seed=0)  # warm-up
@@ -193,11 +213,11 @@ def main() -> None:
         for alpha in args.oracle_alpha or [None]:
             for k in args.ks:
                 runs.append(cell(target, draft, tok, prompts, references, alpha, k, temp, args,
-                                 costs=(t_d, t_1, t_v), plain=plain))
+                                 costs=(t_d, t_1, t_v), plain=plain, kernel_gain=kernel_gain))
 
     report = {
-        "settings": {**vars(args), "dtype": "float32" if str(mx.default_device()) != "gpu"
-                     else "float16", "blas": active_blas(), "skinny_matmul_modules": n_skinny},
+        "settings": {**vars(args), "dtype": model_dtype(target), "draft_dtype": model_dtype(draft),
+                     "blas": active_blas(), "skinny_matmul_modules": n_skinny},
         "machine": machine(),
         "costs_ms": {"t_1": t_1, "t_d": t_d, "t_v": t_v},
         "plain": plain,

@@ -25,8 +25,7 @@ CHOICES = ["off", "openblas", "mkl"]
 
 def child(model_path: str, prefill_tokens: int, decode_tokens: int, repeats: int) -> dict:
     import tinydraft_mlx  # isort: skip  (the preload reads TINYDRAFT_BLAS)
-    import mlx.core as mx
-    from common import machine
+    from common import machine, model_dtype
 
     from tinydraft_mlx import load_models, stream_generate
     from tinydraft_mlx.cache import make_cache
@@ -52,7 +51,7 @@ def child(model_path: str, prefill_tokens: int, decode_tokens: int, repeats: int
     return {
         "blas": tinydraft_mlx.active_blas(),
         "machine": machine(),
-        "dtype": str(mx.float32),
+        "dtype": model_dtype(target),
         "prefill_tok_s": prefill_tokens / statistics.median(prefill_s),
         "decode_tok_s": statistics.median(rates),
         "prefill_s": prefill_s,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine
+from common import machine, model_dtype
 
 from tinydraft_mlx import load_models
 from tinydraft_mlx.cache import make_cache
@@ -91,7 +91,7 @@ def main() -> None:
               f"{runs[name]['final_cache_bytes'] / 2**20:.2f} MiB, peak "
               f"{runs[name]['peak_memory_bytes'] / 2**20:.1f} MiB", flush=True)
     report = {"settings": {"tokens": args.tokens, "max_kv_size": args.max_kv_size, "k": args.k,
-                           "every": args.every, "prompt": PROMPT, "dtype": "float32",
+                           "every": args.every, "prompt": PROMPT, "dtype": model_dtype(target),
                            "pair": "bundled demo pair", "eos": "ignored"},
               "machine": machine(), "runs": runs}
     out = ROOT / "results" / "bounded_memory.json"

@@ -27,6 +27,18 @@ def machine() -> dict:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def model_dtype(model) -> str:
+    """The dtype the model really computes in, read from its weights: e.g. "float32", or
+    "bfloat16, 4-bit quantized" (never assumed from the device)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    floats = sorted({str(w.dtype).removeprefix("mlx.core.") for _, w in
+                     tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)})
+    bits = sorted({m.bits for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)})
+    return "/".join(floats) + (f", {'/'.join(map(str, bits))}-bit quantized" if bits else "")
+
+
 def save(report: dict, name: str, plot) -> Path:
     """Write results/<name>.json and, through `plot(report, path)`, results/<name>.png."""
     out = ROOT / "results" / f"{name}.json"

@@ -14,7 +14,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from common import machine
+from common import machine, model_dtype
 
 from tinydraft_mlx import generate, load_models
 
@@ -101,7 +101,7 @@ def main() -> None:
     generate(target, draft, tok, prompts[0], k=args.k, max_tokens=8)  # warm-up
     report = {
         "settings": {"k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                     "seed": args.seed, "dtype": "float32", "pair": "bundled demo pair"},
+                     "seed": args.seed, "dtype": model_dtype(target), "pair": "bundled demo pair"},
         "machine": machine(),
         "plain": run(target, None, tok, prompts, k=args.k, temperature=0.0,
                      max_tokens=args.max_tokens, seed=args.seed),

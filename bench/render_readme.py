@@ -95,15 +95,19 @@ def head_to_head(name: str):
             f"[plot](results/{r['settings']['name']}.png)). Costs: t_1 {c['t_1']:.1f} ms, "
             f"t_d {c['t_d']:.1f} ms, t_v(1..) {t_v} ms.",
             "",
-            "| T | alpha | k | ours vs plain | mlx-lm vs plain | ours / mlx-lm | predicted | "
-            "measured / predicted | acceptance ours / mlx-lm | overhead |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| T | alpha | k | ours vs plain | mlx-lm vs plain | ours / mlx-lm | "
+            "ours / mlx-lm, same kernels | predicted | measured / predicted | "
+            "acceptance ours / mlx-lm | overhead |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in r["runs"]:
             alpha = "-" if row["alpha_oracle"] is None else row["alpha_oracle"]
+            same = row.get("ours_vs_mlx_lm_same_kernels")
+            same = "not run" if same is None and "mlx_lm_same_kernels" not in row else (
+                "= (stock kernels)" if same is None else f"{same:.2f}")
             lines.append(
                 f"| {row['temp']} | {alpha} | {row['k']} | {row['speedup_ours']:.2f}x | "
-                f"{row['speedup_mlx_lm']:.2f}x | {row['ours_vs_mlx_lm']:.2f} | "
+                f"{row['speedup_mlx_lm']:.2f}x | {row['ours_vs_mlx_lm']:.2f} | {same} | "
                 f"{row['predicted_speedup']:.2f}x | "
                 f"{row['speedup_ours'] / row['predicted_speedup']:.2f} | "
                 f"{row['acceptance_mean']:.2f} / {row['mlx_lm_acceptance_mean']:.2f} | "
@@ -154,6 +158,26 @@ def adaptive(r: dict) -> list[str]:
     return lines
 
 
+def row_consistency(r: dict) -> list[str]:
+    rows = [int(n) for n in r["runs"][0]["max_difference_by_rows"]]
+    lines = [
+        "**Greedy identity: one row vs k + 1 rows** (`python bench/row_consistency.py`; demo "
+        f"target, {r['settings']['tokens']} tokens after each of 4 prompts, device "
+        f"{r['machine']['device']}, BLAS {r['machine']['blas'].split(' (')[0]}; "
+        "[json](results/row_consistency.json), [plot](results/row_consistency.png)): the largest "
+        "logit difference between plain decoding's one-row pass and a verify pass scoring the "
+        "same positions together.",
+        "",
+        "| dtype | max abs logit | " + " | ".join(f"{n} rows" for n in rows) + " |",
+        "| --- " * (len(rows) + 2) + "|",
+    ]
+    for run in r["runs"]:
+        diffs = run["max_difference_by_rows"].values()
+        lines.append(f"| {run['dtype']} | {run['max_abs_logit']:.1f} | "
+                     + " | ".join(f"{d:.1e}" if d else "0" for d in diffs) + " |")
+    return lines
+
+
 def main() -> None:
     parts = []
     for name, render in [
@@ -165,6 +189,7 @@ def main() -> None:
         ("blas", blas),
         ("adaptive", adaptive),
         ("bounded_memory", bounded_memory),
+        ("row_consistency", row_consistency),
     ]:
         data = _load(name)
         if data is not None:

@@ -1,0 +1,84 @@
+"""How far greedy speculative decoding can be from plain greedy decoding: the largest difference
+between the logits of a one-row forward pass (plain decoding) and of the same positions scored
+together in a (k+1)-row pass (a verify), on the demo target, per dtype and k+1.
+
+    python bench/row_consistency.py
+
+Writes results/row_consistency.json and .png. Only a top-2 logit gap below these figures can flip
+a greedy choice; the oracle tests compare on paths whose gaps are far above them (> 1e-3).
+"""
+
+from __future__ import annotations
+
+import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
+import argparse
+from pathlib import Path
+
+import mlx.core as mx
+from common import machine, model_dtype, pyplot, save
+
+from tinydraft_mlx import generate, load_models
+from tinydraft_mlx.cache import make_cache
+from tinydraft_mlx.speculative import prefill
+
+PROMPTS = [
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "import os\n\n\ndef read_lines(path):\n    with open(path) as f:",
+    "    for key, value in sorted(mapping.items()):\n        if",
+]
+
+
+def max_difference(model, seq: list[int], start: int, rows: int) -> float:
+    """max |logits| difference at positions start..start+rows-1: one pass vs one row at a time."""
+    together, apart = make_cache(model), make_cache(model)
+    prefill(model, together, seq[:start])
+    prefill(model, apart, seq[:start])
+    multi = model(mx.array([seq[start : start + rows]]), cache=together)[0]
+    single = mx.concatenate([model(mx.array([[t]]), cache=apart)[0] for t in
+                             seq[start : start + rows]])
+    return float(mx.abs(multi.astype(mx.float32) - single.astype(mx.float32)).max())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 3, 5, 9])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16"])
+    ap.add_argument("--tokens", type=int, default=48)
+    args = ap.parse_args()
+    runs = []
+    for dtype in args.dtypes:
+        target, _, tok = load_models(draft="none", dtype=dtype)
+        worst = {rows: 0.0 for rows in args.rows}
+        scale = 0.0
+        for text in PROMPTS:
+            ids = tok.encode(text)
+            seq = ids + generate(target, None, tok, ids, max_tokens=args.tokens)[0]
+            scale = max(scale, float(mx.abs(target(mx.array([seq]))).max()))
+            for rows in args.rows:
+                for start in range(len(ids), len(seq) - rows, 7):
+                    worst[rows] = max(worst[rows], max_difference(target, seq, start, rows))
+        runs.append({"dtype": model_dtype(target), "max_abs_logit": scale,
+                     "max_difference_by_rows": worst})
+        print(dtype, worst, f"(logits up to {scale:.1f})", flush=True)
+    save({"settings": vars(args), "machine": machine(), "runs": runs}, "row_consistency", plot)
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in report["runs"]:
+        rows = [int(r) for r in run["max_difference_by_rows"]]
+        values = [max(v, 1e-9) for v in run["max_difference_by_rows"].values()]
+        ax.plot(rows, values, marker="o", label=run["dtype"])
+    ax.set(yscale="log", xlabel="rows scored together (k + 1)",
+           ylabel="max |logit difference| vs one row at a time (1e-9 = exactly 0)",
+           title=f"demo target, {report['machine']['device']}, BLAS "
+                 f"{report['machine']['blas'].split(' (')[0]}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
