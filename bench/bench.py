@@ -56,7 +56,7 @@ def _decode_rate(items) -> tuple[list[int], float, list]:
 def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed):
     steps = stream_generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
                             temperature=temp, seed=seed)
-    out, rate, tokens = _decode_rate((t.id, t) for t in steps)
+    out, rate, tokens = _decode_rate((r.token, r) for r in steps)
     return out, rate, tokens[-1].stats
 
 

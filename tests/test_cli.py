@@ -117,8 +117,8 @@ def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
         def close(self):
             self.steps.close()
 
-    def interrupted(steps, tokenizer):
-        return real(Interrupting(steps), tokenizer)
+    def interrupted(steps):
+        return real(Interrupting(steps))
 
     monkeypatch.setattr(cli, "_stream_text", interrupted)
     code = cli.main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),

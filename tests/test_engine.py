@@ -1,7 +1,6 @@
 """The decode loop's bookkeeping: cache round-trips, early close, EOS inside an accepted run,
 max_tokens below k, and the statistics' invariants."""
 
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -93,9 +92,9 @@ def test_eos_inside_an_accepted_run(same_pair, reference):
     target, draft, _ = same_pair
     ids, ref = reference
     j = next(i for i in range(2, 4) if ref[i] not in ref[:i])  # inside the first 5-token round
-    tok = SimpleNamespace(eos_token_ids={ref[j]})
-    steps = list(stream_generate(target, draft, tok, ids, k=4, max_tokens=40))
+    steps = list(decode(target, draft, ids, k=4, max_tokens=40, eos_token_ids={ref[j]}))
     assert [t.id for t in steps] == ref[: j + 1]  # EOS emitted, nothing after it
+    assert steps[-1].finish_reason == "eos" and steps[-2].finish_reason is None
     assert all(t.from_draft for t in steps)  # the run really was accepted past EOS
     assert steps[-1].stats.finish_reason == "eos" and steps[-1].stats.accepted == 4
 
@@ -154,7 +153,7 @@ def test_draft_none_string_means_plain_decoding(pair, reference):
     ids, ref = reference
     out, stats = generate(target, "none", tok, ids, max_tokens=12)
     assert out == ref[:12] and stats.drafted == 0 and stats.k == 0
-    assert [t.id for t in stream_generate(target, "None", tok, ids, max_tokens=3)] == ref[:3]
+    assert [r.token for r in stream_generate(target, "None", tok, ids, max_tokens=3)] == ref[:3]
 
 
 class _Recording:
@@ -184,10 +183,10 @@ def test_auto_charges_the_drafts_catch_up_to_its_round(pair, monkeypatch):
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
     real, in_rounds = spec.prefill, []
 
-    def slow_catch_up(model, cache, tokens, *args):
+    def slow_catch_up(model, cache, tokens, *args, **kwargs):
         if in_rounds:
             time.sleep(0.2)
-        real(model, cache, tokens, *args)
+        real(model, cache, tokens, *args, **kwargs)
 
     monkeypatch.setattr(spec, "prefill", slow_catch_up)
     steps = stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20)
@@ -224,7 +223,20 @@ BAD_CALLS = [
     (dict(prompt=[]), "prompt must contain at least one token"),
     (dict(prompt=[1, -4]), "prompt token ids must be non-negative"),
     (dict(prompt=[1, 10_000]), "below the vocabulary size 448"),
-    (dict(prompt=3.5), "prompt must be a string or a list of token ids"),
+    (dict(prompt=3.5), "prompt must be a string, a list of token ids or a list of chat messages"),
+    (dict(prompt=[{"role": "user"}]), 'messages must be dicts with string "role" and "content"'),
+    (dict(prompt=[{"role": "user", "content": "hi"}]), "this tokenizer has none"),
+    (dict(stop=""), "stop must be a non-empty string or a list of non-empty strings"),
+    (dict(stop=["a", 3]), "stop must be a non-empty string or a list of non-empty strings"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty must be a finite number >= 0.0"),
+    (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+    (dict(frequency_context_size=0), "frequency_context_size must be an integer >= 1"),
+    (dict(logit_bias={448: 1.0}), "logit_bias token id must be an integer in [0, 447]"),
+    (dict(logit_bias={3: "big"}), "logit_bias value must be a finite number"),
+    (dict(logit_bias=[3, 1.0]), "logit_bias must be a dict of token id -> bias"),
+    (dict(logits_processors=[3]), "logits_processors must be a list of callables"),
+    (dict(prompt_progress_callback=1), "prompt_progress_callback must be a callable"),
+    (dict(prompt_cache="cache.safetensors"), "prompt_cache must be a PromptCache"),
 ]
 
 

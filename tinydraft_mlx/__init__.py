@@ -4,16 +4,22 @@ from .backend import active_blas, preload_blas
 
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
+from .api import generate, stream_generate
 from .loading import ModelLoadError, load_models
 from .lookup import PromptLookup
 from .policy import DraftLengthPolicy
+from .prompt_cache import PromptCache, PromptCacheError
 from .sampling import ParameterError, SamplingParams, warp
-from .speculative import Token, generate, stream_generate
+from .speculative import Token
 from .stats import GenerationStats
+from .text import GenerationResponse
 
 __all__ = [
     "active_blas",
     "DraftLengthPolicy",
+    "GenerationResponse",
+    "PromptCache",
+    "PromptCacheError",
     "PromptLookup",
     "GenerationStats",
     "ModelLoadError",

@@ -2,6 +2,8 @@
 
 Streams the generated text as rounds are accepted and prints `stats.summary()` on stderr.
 Bad arguments exit with status 2 and one line naming the flag, the allowed range and the value.
+`--prompt-cache-file` keeps the prompt's KV caches in a file across runs; a prompt longer than
+one prefill chunk shows a progress bar on stderr.
 """
 
 from __future__ import annotations
@@ -9,13 +11,17 @@ from __future__ import annotations
 import argparse
 import sys
 import types
+from pathlib import Path
 from typing import NoReturn
 
-from . import speculative
+from . import api
+from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
+from .prompt_cache import PromptCache, PromptCacheError
 from .sampling import ParameterError, SamplingParams, check_int
-from .speculative import MAX_DRAFT_TOKENS, check_k, encode_prompt, stream_generate
+from .speculative import PREFILL_STEP
+from .text import chat_ids, check_stop
 
 # API parameter name -> the flag that sets it, so errors name what the user typed
 FLAGS = {
@@ -28,6 +34,7 @@ FLAGS = {
     "max_tokens": "--max-tokens",
     "prompt": "--prompt",
     "max_kv_size": "--max-kv-size",
+    "stop": "--stop",
 }
 
 
@@ -61,6 +68,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="weight dtype (default: float32 on the CPU, the checkpoint's own "
                         "dtype on a GPU, e.g. bfloat16 for Qwen2.5)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop at this string (not printed); repeat for several")
+    p.add_argument("--prompt-cache-file", default=None, metavar="PATH",
+                   help="reuse the prompt's KV caches from PATH when it exists (made with the "
+                        "same models), and save them there after the run")
     p.add_argument("--verbose", action="store_true", help="print the models and settings used")
     return p
 
@@ -92,19 +104,50 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
         sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
         check_k(args.k)
         check_int("max_tokens", args.max_tokens, 1)
+        check_stop(args.stop)
     except ParameterError as err:
         _fail(parser, _flag_message(err))
     return sampling
 
 
-def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("--chat: this tokenizer has no chat template")
-        messages = [{"role": "user", "content": text}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return encode_prompt(tokenizer, text)
+def _prompt(tokenizer, text: str, chat: bool) -> str | list[int]:
+    if not chat:
+        return text
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("--chat: this tokenizer has no chat template")
+    return chat_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def _load_prompt_cache(path: str | None, target, draft, max_kv_size) -> PromptCache | None:
+    """The cache in `path` if it exists, else a new one; None without --prompt-cache-file."""
+    if path is None:
+        return None
+    if Path(path).exists():
+        pc = PromptCache.load(path, target, draft)
+        if max_kv_size not in (None, pc.max_kv_size):
+            raise ValueError(f"--max-kv-size {max_kv_size} differs from the prompt cache file's "
+                             f"{pc.max_kv_size}")
+        return pc
+    return PromptCache(target, draft, max_kv_size=max_kv_size)
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr for prompts longer than one prefill chunk (on a CPU a 2k-token
+    prompt takes minutes); nothing for short ones."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None and total > PREFILL_STEP:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="prompt", unit="tok", file=sys.stderr,
+                            leave=False)
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            if done >= total:
+                self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,41 +160,41 @@ def main(argv: list[str] | None = None) -> int:
         _fail(parser, "--prompt must be non-empty (got an empty prompt)")
     try:
         target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype)
-        ids = _prompt_ids(tokenizer, text, args.chat)
+        prompt_cache = _load_prompt_cache(args.prompt_cache_file, target, draft, args.max_kv_size)
         steps = stream_generate(
-            target, draft, tokenizer, ids, k=args.k, max_tokens=args.max_tokens,
-            temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            seed=args.seed, max_kv_size=args.max_kv_size,
+            target, draft, tokenizer, _prompt(tokenizer, text, args.chat), k=args.k,
+            max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+            max_kv_size=None if prompt_cache is not None else args.max_kv_size, stop=args.stop,
+            prompt_cache=prompt_cache, prompt_progress_callback=_ProgressBar(),
         )
     except ParameterError as err:
         _fail(parser, _flag_message(err))
-    except (ModelLoadError, ValueError) as err:
+    except (ModelLoadError, PromptCacheError, ValueError) as err:
         _fail(parser, str(err))
     if args.verbose:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT
         print(f"target: {args.target or 'bundled demo target'}; draft: {draft_name}; "
               f"k={args.k}; {sampling}; {device_name()} backend, BLAS: {active_blas()}",
               file=sys.stderr)
-    return _stream_text(steps, tokenizer)
+    code = _stream_text(steps)
+    if prompt_cache is not None:
+        prompt_cache.save(args.prompt_cache_file)
+    return code
 
 
-def _stream_text(steps, tokenizer) -> int:
+def _stream_text(steps) -> int:
     """Print text as tokens are accepted, then the stats line on stderr. Ctrl-C stops cleanly
     (the generator is closed, so its caches are rolled back) with status 130."""
-    detok, eos = tokenizer.detokenizer, speculative.eos_ids(tokenizer)
-    detok.reset()
     stats, code = None, 0
     try:
-        for token in steps:
-            stats = token.stats
-            if token.id not in eos:
-                detok.add_token(token.id)
-                print(detok.last_segment, end="", flush=True)
+        for response in steps:
+            stats = response.stats
+            print(response.text, end="", flush=True)
     except KeyboardInterrupt:
         steps.close()
         code = 130
-    detok.finalize()
-    print(detok.last_segment, flush=True)
+    print(flush=True)
     if stats is not None:
         print(stats.summary(), file=sys.stderr)
     return code
@@ -162,7 +205,7 @@ class _CallableModule(types.ModuleType):
     making the module callable keeps `tinydraft_mlx.generate(...)` working either way."""
 
     def __call__(self, *args, **kwargs):
-        return speculative.generate(*args, **kwargs)
+        return api.generate(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -8,13 +8,17 @@ both caches roll back to the accepted prefix. One `.tolist()` per round is the o
 Cache bookkeeping: `seq` is prompt + emitted tokens. At the start of a round the target holds
 seq[:-1] (seq[-1] is pending) and the draft holds a prefix of it; whatever the draft has not seen
 (one token, or two after a fully accepted round) is fed to it first.
+
+Logits processors (mlx-lm's protocol, `f(tokens, logits) -> logits`) see at verify position i the
+history seq + d_1..d_(i-1), as plain decoding would at that position; the draft applies them to
+its own logits with the same history. The public API with text is in `api.py`.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -22,25 +26,31 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
 from .backend import generation_stream
-from .cache import KEEP, Cache, cache_length, make_cache, rollback
-from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
+from .cache import Cache, cache_length, make_cache, rollback
+from .lookup import NgramIndex, PromptLookup
 from .policy import AUTO, AUTO_MAX_K, shared_policy
 from .rejection import greedy_accept, speculative_accept
-from .sampling import ParameterError, SamplingParams, check_int, warp
+from .sampling import SamplingParams, warp
 from .stats import GenerationStats
 
-MAX_DRAFT_TOKENS = 64
 PREFILL_STEP = 512
+
+Processor = Callable[[mx.array, mx.array], mx.array]  # (tokens (L,), logits (1, V)) -> logits
+Progress = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens to process)
 
 
 @dataclass(frozen=True)
 class Token:
-    """One generated token. `from_draft` is True when it was a draft proposal the target accepted;
-    `stats` is the generation's live statistics object."""
+    """One generated token. `from_draft`: a draft proposal the target accepted. `logprobs`: the
+    target's log-probabilities at this position, (V,), after logits processors and before any
+    warp (lazy: computed only if read). `finish_reason`: "eos" or "length" on the last token,
+    else None. `stats`: the generation's live statistics object."""
 
     id: int
     from_draft: bool
     stats: GenerationStats
+    logprobs: mx.array | None = None
+    finish_reason: str | None = None
 
 
 def vocab_width(model: nn.Module) -> int | None:
@@ -56,13 +66,49 @@ def model_inputs(model: nn.Module, tokens: list[int]) -> list[int]:
     return tokens if width is None else [min(t, width - 1) for t in tokens]
 
 
-def prefill(model: nn.Module, cache: Cache, tokens: list[int], step: int = PREFILL_STEP) -> None:
-    """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens."""
+def prefill(
+    model: nn.Module,
+    cache: Cache,
+    tokens: list[int],
+    step: int = PREFILL_STEP,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens; `progress(n)`
+    after each chunk with the tokens processed so far."""
     tokens = model_inputs(model, tokens)
     for start in range(0, len(tokens), step):
         model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
         mx.eval([layer.state for layer in cache])
         mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
+        if progress is not None:
+            progress(min(start + step, len(tokens)))
+
+
+def _process(
+    logits: mx.array, history: mx.array, drafts: list[mx.array], processors: Sequence[Processor]
+) -> mx.array:
+    """(1, V) logits after `processors`, for the position that follows history + drafts."""
+    if not processors:
+        return logits
+    tokens = mx.concatenate([history, *(d.reshape(1) for d in drafts)]) if drafts else history
+    for processor in processors:
+        logits = processor(tokens, logits)
+    return logits
+
+
+def _draft_logits(
+    logits: mx.array, history: mx.array, drafts: list[mx.array],
+    processors: Sequence[Processor], width: int | None,
+) -> mx.array:
+    """The draft's (Vq,) logits after the processors. The processors know the target's ids
+    (`width`): a narrower draft's logits are padded with -inf for them, then cut back."""
+    if not processors:
+        return logits
+    extra = 0 if width is None else width - logits.shape[-1]
+    row = logits[None]
+    if extra > 0:
+        row = mx.pad(row, [(0, 0), (0, extra)], constant_values=-float("inf"))
+    return _process(row, history, drafts, processors)[0, : logits.shape[-1]]
 
 
 def _draft_chain(
@@ -72,16 +118,21 @@ def _draft_chain(
     k: int,
     params: SamplingParams,
     key: mx.array | None,
+    history: mx.array | None = None,
+    processors: Sequence[Processor] = (),
+    width: int | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Propose k tokens. Returns draft tokens (k,) and, when sampling, their distributions q (k, V).
 
     Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
+    With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
     """
     keys = None if params.greedy else mx.random.split(key, k)
     x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
     tokens, qs = [], []
     for i in range(k):
         logits = draft(x[None], cache=cache)[0, -1]  # (Vq,)
+        logits = _draft_logits(logits, history, tokens, processors, width)
         if params.greedy:
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:
@@ -102,8 +153,14 @@ def _verify(
     q: mx.array | None,
     params: SamplingParams,
     key: mx.array | None,
-) -> list[int]:
-    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync.
+    history: mx.array | None = None,
+    processors: Sequence[Processor] = (),
+) -> tuple[list[int], mx.array]:
+    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync, and
+    the (k+1, V) log-probabilities of the processed logits (lazy).
+
+    With `processors`, position i's logits are processed with history + d_1..d_(i-1) (history:
+    prompt + emitted tokens), exactly what plain decoding would see there.
 
     A draft with a wider vocabulary can propose ids beyond the target's embedding: they are
     clamped for the forward pass only (an out-of-bounds read otherwise; undefined on Metal).
@@ -114,13 +171,18 @@ def _verify(
     if width is not None:
         x = mx.minimum(x, width - 1)
     logits = target(x[None], cache=cache)  # (1, k+1, Vp)
+    if processors:
+        rows = [_process(logits[:, i], history, [drafts[j] for j in range(i)], processors)
+                for i in range(logits.shape[1])]
+        logits = mx.stack(rows, axis=1)
     if params.greedy:
         n, token = greedy_accept(mx.argmax(logits, axis=-1), drafts[None])
     else:
         p = warp(logits, params)
         q = q[None] if q is not None else mx.zeros((1, 0, p.shape[-1]), dtype=p.dtype)
         n, token = speculative_accept(p, q, drafts[None], key)
-    return mx.concatenate([n, token, drafts]).tolist()
+    logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (k+1, Vp)
+    return mx.concatenate([n, token, drafts]).tolist(), logprobs
 
 
 def _rollback_both(target_cache: Cache, draft_cache: Cache | None, keep: int) -> None:
@@ -151,12 +213,15 @@ def decode(
     eos_token_ids: Iterable[int] = (),
     target_cache: Cache | None = None,
     draft_cache: Cache | None = None,
+    logits_processors: Sequence[Processor] = (),
+    prompt_progress_callback: Progress | None = None,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
-    `stream_generate`). `draft` is a model, a `PromptLookup`, or None (plain decoding); `k` an int
-    or "auto" (a `DraftLengthPolicy` picks it every round). Caches may be passed in holding a
-    prefix of `prompt` (it is not recomputed); whenever the generator stops (length, EOS, close)
-    each cache holds at most seq[:-1].
+    `api.stream_generate`). `draft` is a model, a `PromptLookup`, or None (plain decoding); `k` an
+    int or "auto" (a `DraftLengthPolicy` picks it every round). Caches may be passed in holding a
+    prefix of `prompt` (it is not recomputed); whenever the generator stops (length, EOS, close,
+    an error) each cache holds at most seq[:-1]. `prompt_progress_callback(processed, total)`
+    follows the target's prefill of the prompt tokens not already cached.
 
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
@@ -177,15 +242,24 @@ def decode(
     key = mx.random.key(seed)
     policy = None
     k_cap = max_draft_length(draft, k)
-    stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt))
+    stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt),
+                            cached_tokens=cache_length(target_cache))
     seq = list(prompt)
     index = lookup.index(seq) if lookup is not None else None
     stream = generation_stream()
+    width = vocab_width(target)
+    pending = seq[cache_length(target_cache) : -1]
+    progress = None
+    if prompt_progress_callback is not None:
+        def progress(done: int) -> None:
+            prompt_progress_callback(done, len(pending))
 
     with wired_limit((target, model), [stream]):
         start = time.perf_counter()
         with mx.stream(stream):
-            prefill(target, target_cache, seq[cache_length(target_cache) : -1])
+            if progress is not None:
+                progress(0)
+            prefill(target, target_cache, pending, progress=progress)
             target_prefill = time.perf_counter() - start
             if model is not None:
                 prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
@@ -208,10 +282,12 @@ def decode(
                 if not sampling.greedy:
                     key, draft_key, verify_key = mx.random.split(key, 3)
                 with mx.stream(stream):
+                    history = mx.array(seq, dtype=mx.int32) if logits_processors else None
                     drafts, q = _propose(model, draft_cache, index, seq, k_round, sampling,
-                                         draft_key, vocab_width(target))
-                    n, token, *proposed = _verify(
-                        target, target_cache, seq[-1], drafts, q, sampling, verify_key
+                                         draft_key, width, history, logits_processors)
+                    (n, token, *proposed), logprobs = _verify(
+                        target, target_cache, seq[-1], drafts, q, sampling, verify_key,
+                        history, logits_processors,
                     )
                 # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k (nor
                 # the bonus token): it stays behind and catches up at the start of the next round.
@@ -225,11 +301,12 @@ def decode(
                 for i, tok in enumerate(proposed[:n] + [token]):
                     seq.append(tok)
                     stats.generated += 1
-                    yield Token(tok, i < n, stats)
-                    if tok in eos:
-                        stats.finish_reason = "eos"
+                    finish = ("eos" if tok in eos else
+                              "length" if stats.generated >= max_tokens else None)
+                    stats.finish_reason = finish
+                    yield Token(tok, i < n, stats, logprobs[i], finish)
+                    if finish is not None:
                         return
-            stats.finish_reason = "length"
         finally:
             stats.finish_reason = stats.finish_reason or "closed"
             _rollback_both(target_cache, draft_cache, len(seq) - 1)
@@ -244,6 +321,8 @@ def _propose(
     sampling: SamplingParams,
     key: mx.array | None,
     target_width: int | None,
+    history: mx.array | None = None,
+    processors: Sequence[Processor] = (),
 ) -> tuple[mx.array, mx.array | None]:
     """Up to k draft tokens (k,) and, when sampling, their distributions q (k, V): from the
     n-gram index (point masses), or from the draft model, which first catches up on what it has
@@ -261,138 +340,5 @@ def _propose(
     if len(unseen) > 2:
         prefill(model, draft_cache, unseen[:-1])
         unseen = unseen[-1:]
-    return _draft_chain(model, draft_cache, unseen, k, sampling, key)
-
-
-def encode_prompt(tokenizer, prompt: str | list[int], vocab_size: int | None = None) -> list[int]:
-    """Token ids for `prompt` (a string, or ids passed through); ValueError if empty or invalid."""
-    if isinstance(prompt, str):
-        ids = list(tokenizer.encode(prompt)) if prompt else []
-    elif isinstance(prompt, (list, tuple)):
-        ids = list(prompt)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ParameterError("prompt token ids", "non-negative integers", t)
-            if vocab_size is not None and t >= vocab_size:
-                allowed = f"below the vocabulary size {vocab_size}"
-                raise ParameterError("prompt token ids", allowed, t)
-    else:
-        raise ParameterError("prompt", "a string or a list of token ids", type(prompt).__name__)
-    if not ids:
-        raise ValueError("prompt must contain at least one token (got an empty prompt)")
-    return ids
-
-
-def eos_ids(tokenizer) -> frozenset[int]:
-    """The token ids that end generation, from an mlx-lm TokenizerWrapper or a HF tokenizer."""
-    ids = getattr(tokenizer, "eos_token_ids", None)
-    if ids is None:
-        single = getattr(tokenizer, "eos_token_id", None)
-        ids = [] if single is None else [single]
-    return frozenset(int(i) for i in ids)
-
-
-def check_k(k: int | str) -> None:
-    """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto"."""
-    if k == AUTO:
-        return
-    try:
-        check_int("k", k, 1, MAX_DRAFT_TOKENS)
-    except ParameterError:
-        raise ParameterError("k", f'an integer in [1, {MAX_DRAFT_TOKENS}] or "auto"', k) from None
-
-
-def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | PromptLookup | None:
-    """A draft argument as the decode loop takes it: "prompt-lookup" becomes a `PromptLookup`,
-    "none" (as in `load_models` and the CLI) becomes None."""
-    if isinstance(draft, str):
-        if draft.lower() == NO_DRAFT:
-            return None
-        if draft.lower() != PROMPT_LOOKUP:
-            allowed = f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None'
-            raise ParameterError("draft", allowed, draft)
-        return PromptLookup()
-    return draft
-
-
-def stream_generate(
-    target: nn.Module,
-    draft: nn.Module | PromptLookup | str | None,
-    tokenizer,
-    prompt: str | list[int],
-    *,
-    k: int | str = 4,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    max_kv_size: int | None = None,
-) -> Iterator[Token]:
-    """Generate from `target`, drafting with `draft` (a model; "prompt-lookup" or a `PromptLookup`
-    to copy n-gram continuations from prompt + output; None or "none": plain decoding), yielding
-    each `Token` as it is accepted. Generation ends after `max_tokens` tokens or an EOS token
-    (which is emitted).
-
-    Exactness: sampled output is distributed exactly as plain sampling from `target` with the
-    same warp. Greedy output (temperature 0) is plain greedy decoding's, up to the float
-    difference between a one-row and a (k+1)-row forward pass: the verify pass scores k+1 rows at
-    once, and matmuls of different shapes round differently (fp32 logits of the demo target differ
-    by up to ~3e-6; half precision by more), so only a near-tie (top-2 logit gap of that size) can
-    flip.
-
-    Sampling order: temperature -> top-k -> top-p -> min-p (transformers' and vLLM's order), and
-    top-k keeps ties with the k-th logit. mlx-lm filters at temperature 1 first (top-p, min-p,
-    top-k, exactly k tokens), then applies the temperature. Example: logits [2, 1, 0],
-    temperature 0.5, top_p 0.7: here token 0 gets probability 1 (0.87 of the mass at T=0.5);
-    mlx-lm keeps tokens 0 and 1 (0.67 of the mass at T=1 is below 0.7) and samples token 1 with
-    probability 0.12.
-
-    `max_kv_size` W bounds both caches: each token attends to the first 4 positions and the most
-    recent W - 4 (as mlx-lm's rotating cache), and output equals plain decoding with the same W.
-    `k` is the number of draft tokens per round (1..64), or "auto": each round the k (0..8) with
-    the most expected tokens per second under measured acceptance and costs (policy.py).
-
-    Every argument is checked before any work starts (ValueError naming the parameter)."""
-    sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
-    draft = resolve_draft(draft)
-    if draft is not None:
-        check_k(k)
-    check_int("max_tokens", max_tokens, 1)
-    ids = encode_prompt(tokenizer, prompt, vocab_width(target))
-    k_eff = max_draft_length(draft, k)
-    if max_kv_size is not None:
-        check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
-    margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
-    target_cache = make_cache(target, max_kv_size, margin)
-    has_cache = draft is not None and not isinstance(draft, PromptLookup)
-    draft_cache = make_cache(draft, max_kv_size, margin) if has_cache else None
-    return decode(
-        target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
-        eos_token_ids=eos_ids(tokenizer), target_cache=target_cache, draft_cache=draft_cache,
-    )
-
-
-def generate(
-    target: nn.Module,
-    draft: nn.Module | PromptLookup | str | None,
-    tokenizer,
-    prompt: str | list[int],
-    *,
-    k: int | str = 4,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    max_kv_size: int | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Like `stream_generate`, collected: returns (generated token ids, stats)."""
-    steps = stream_generate(
-        target, draft, tokenizer, prompt, k=k, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, max_kv_size=max_kv_size,
-    )
-    tokens = list(steps)
-    return [t.id for t in tokens], tokens[-1].stats
+    return _draft_chain(model, draft_cache, unseen, k, sampling, key, history, processors,
+                        target_width)

@@ -19,6 +19,7 @@ class GenerationStats:
 
     k: int | str = 0  # draft tokens per round as requested: an int, or "auto"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from a prompt cache (not prefilled)
     generated: int = 0
     rounds: int = 0
     drafted: int = 0
@@ -32,7 +33,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory: float = 0.0  # GB, mx.get_peak_memory() after the latest round (as mlx-lm)
-    finish_reason: str | None = None  # "length", "eos" or "closed"
+    finish_reason: str | None = None  # "length", "eos", "stop" (a stop string) or "closed"
     blas: str = field(default_factory=active_blas)  # which BLAS MLX's CPU backend used
     policy: Any = field(default=None, repr=False, compare=False)  # the k="auto" policy, if any
 
@@ -77,7 +78,9 @@ class GenerationStats:
         speed = (
             f"{self.generated} tokens in {self.decode_seconds:.2f}s "
             f"({self.tokens_per_second:.1f} tok/s), prompt {self.prompt_tokens} tokens "
-            f"in {self.prefill_seconds:.2f}s, peak memory {self.peak_memory:.3f} GB"
+            f"in {self.prefill_seconds:.2f}s"
+            + (f" ({self.cached_tokens} cached)" if self.cached_tokens else "")
+            + f", peak memory {self.peak_memory:.3f} GB"
         )
         if not self.drafted:
             return f"plain decoding: {speed}" + ("" if self.k == 0 else f" (k={self.k}: no drafts)")

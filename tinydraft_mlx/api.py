@@ -1,0 +1,245 @@
+"""The generation API: `stream_generate` (mlx-lm-style responses) and `generate` (token ids and
+statistics), on top of the token loop (`speculative.decode`), the text layer (`text.py`) and
+prompt caches (`prompt_cache.py`).
+
+Every argument is checked before any work starts: a `ValueError` (`ParameterError`) names the
+parameter, the allowed range and the value received.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_logits_processors
+
+from .cache import KEEP, make_cache
+from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from .policy import AUTO
+from .prompt_cache import PromptCache
+from .sampling import ParameterError, SamplingParams, check_int
+from .speculative import Processor, Progress, decode, max_draft_length, vocab_width
+from .stats import GenerationStats
+from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
+
+MAX_DRAFT_TOKENS = 64
+
+
+def eos_ids(tokenizer: Any) -> frozenset[int]:
+    """The token ids that end generation, from an mlx-lm TokenizerWrapper or a HF tokenizer."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        single = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if single is None else [single]
+    return frozenset(int(i) for i in ids)
+
+
+def check_k(k: int | str) -> None:
+    """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto"."""
+    if k == AUTO:
+        return
+    try:
+        check_int("k", k, 1, MAX_DRAFT_TOKENS)
+    except ParameterError:
+        raise ParameterError("k", f'an integer in [1, {MAX_DRAFT_TOKENS}] or "auto"', k) from None
+
+
+def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | PromptLookup | None:
+    """A draft argument as the decode loop takes it: "prompt-lookup" becomes a `PromptLookup`,
+    "none" (as in `load_models` and the CLI) becomes None."""
+    if isinstance(draft, str):
+        if draft.lower() == NO_DRAFT:
+            return None
+        if draft.lower() != PROMPT_LOOKUP:
+            allowed = f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None'
+            raise ParameterError("draft", allowed, draft)
+        return PromptLookup()
+    return draft
+
+
+def _check_float(name: str, value: object, low: float | None = None) -> None:
+    allowed = "a finite number" + ("" if low is None else f" >= {low}")
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or (low is not None and value < low)):
+        raise ParameterError(name, allowed, value)
+
+
+def build_processors(
+    logits_processors: Sequence[Processor] | None,
+    vocab_size: int | None,
+    *,
+    repetition_penalty: float | None,
+    repetition_context_size: int,
+    presence_penalty: float | None,
+    presence_context_size: int,
+    frequency_penalty: float | None,
+    frequency_context_size: int,
+    logit_bias: dict[int, float] | None,
+) -> list[Processor]:
+    """The user's processors followed by mlx-lm's `make_logits_processors` for the convenience
+    arguments (mlx-lm's semantics and defaults: None or 0 turns a penalty off)."""
+    processors = list(logits_processors or [])
+    if not all(callable(p) for p in processors):
+        raise ParameterError("logits_processors", "a list of callables f(tokens, logits)",
+                             logits_processors)
+    _check_float("repetition_penalty", repetition_penalty, 0.0)
+    _check_float("presence_penalty", presence_penalty)
+    _check_float("frequency_penalty", frequency_penalty)
+    for name, size in [("repetition_context_size", repetition_context_size),
+                       ("presence_context_size", presence_context_size),
+                       ("frequency_context_size", frequency_context_size)]:
+        check_int(name, size, 1)
+    if logit_bias is not None:
+        if not isinstance(logit_bias, dict):
+            raise ParameterError("logit_bias", "a dict of token id -> bias", logit_bias)
+        top = vocab_size - 1 if vocab_size is not None else None
+        for token, bias in logit_bias.items():
+            check_int("logit_bias token id", token, 0, top)
+            _check_float("logit_bias value", bias)
+    return processors + make_logits_processors(
+        logit_bias=logit_bias, repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,
+        presence_context_size=presence_context_size, frequency_penalty=frequency_penalty,
+        frequency_context_size=frequency_context_size,
+    )
+
+
+def stream_generate(
+    target: nn.Module,
+    draft: nn.Module | PromptLookup | str | None,
+    tokenizer: Any,
+    prompt: str | list[int] | Messages,
+    *,
+    k: int | str = 4,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    max_kv_size: int | None = None,
+    logits_processors: Sequence[Processor] | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float | None = None,
+    presence_context_size: int = 20,
+    frequency_penalty: float | None = None,
+    frequency_context_size: int = 20,
+    logit_bias: dict[int, float] | None = None,
+    stop: str | Sequence[str] | None = None,
+    prompt_cache: PromptCache | None = None,
+    prompt_progress_callback: Progress | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from `target`, drafting with `draft`, yielding a `GenerationResponse` per token as
+    rounds are accepted (mlx-lm's fields: text, token, logprobs, from_draft, finish_reason,
+    prompt_tokens, prompt_tps, generation_tokens, generation_tps, peak_memory; plus stats).
+
+    draft: a model; "prompt-lookup" or a `PromptLookup` to copy n-gram continuations from prompt
+    + output; None or "none": plain decoding. prompt: a string, token ids, or chat messages
+    ([{"role", "content"}, ...], through the tokenizer's chat template with the generation
+    prompt). Generation ends after `max_tokens` tokens, at an EOS token or at the first of the
+    `stop` strings (finish_reason "stop"; the text never contains the stop string nor anything
+    after it, and the caches keep exactly prompt + the tokens emitted).
+
+    Exactness: sampled output is distributed exactly as plain sampling from `target` with the
+    same processors and warp. Greedy output (temperature 0) is plain greedy decoding's, up to the
+    float difference between a one-row and a (k+1)-row forward pass: the verify pass scores k+1
+    rows at once, and matmuls of different shapes round differently (fp32 logits of the demo
+    target differ by up to ~6e-6), so only a near-tie (top-2 logit gap of that size) can flip.
+
+    Sampling order: logits processors -> temperature -> top-k -> top-p -> min-p (transformers'
+    and vLLM's order), and top-k keeps ties with the k-th logit. mlx-lm filters at temperature 1
+    first (top-p, min-p, top-k, exactly k tokens), then applies the temperature. Example: logits
+    [2, 1, 0], temperature 0.5, top_p 0.7: here token 0 gets probability 1 (0.87 of the mass at
+    T=0.5); mlx-lm keeps tokens 0 and 1 (0.67 of the mass at T=1 is below 0.7) and samples token
+    1 with probability 0.12.
+
+    Logits processors: `logits_processors` (mlx-lm's protocol, f(tokens, logits) -> logits) and
+    mlx-lm's `make_logits_processors` for repetition_penalty (with repetition_context_size),
+    presence_penalty, frequency_penalty (with their context sizes) and logit_bias. Each verified
+    position sees its own history (prompt + emitted + the drafts before it); the draft applies
+    the same processors to its own logits.
+
+    prompt_cache: a `PromptCache` for these models. The longest common prefix of its tokens and
+    the prompt is reused (`stats.cached_tokens`), only the rest is prefilled, and afterwards it
+    holds prompt + output. It sets the KV bound (`max_kv_size` must then be None or equal).
+    max_kv_size W: both caches keep the first 4 positions and the most recent W - 4 (as mlx-lm's
+    rotating cache); output equals plain decoding with the same W.
+    k: draft tokens per round (1..64), or "auto": each round the k (0..8) with the most expected
+    tokens per second under measured acceptance and costs (policy.py).
+    prompt_progress_callback(processed, total): during the prefill of the uncached prompt tokens.
+    """
+    sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
+    draft = resolve_draft(draft)
+    if draft is not None:
+        check_k(k)
+    check_int("max_tokens", max_tokens, 1)
+    stops = check_stop(stop)
+    width = vocab_width(target)
+    processors = build_processors(
+        logits_processors, width, repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,
+        presence_context_size=presence_context_size, frequency_penalty=frequency_penalty,
+        frequency_context_size=frequency_context_size, logit_bias=logit_bias,
+    )
+    if prompt_progress_callback is not None and not callable(prompt_progress_callback):
+        raise ParameterError("prompt_progress_callback", "a callable f(processed, total)",
+                             prompt_progress_callback)
+    ids = prompt_ids(tokenizer, prompt, width)
+    k_eff = max_draft_length(draft, k)
+    model = draft if draft is not None and not isinstance(draft, PromptLookup) else None
+    if prompt_cache is not None:
+        if not isinstance(prompt_cache, PromptCache):
+            raise ParameterError("prompt_cache", "a PromptCache", type(prompt_cache).__name__)
+        if max_kv_size not in (None, prompt_cache.max_kv_size):
+            raise ParameterError("max_kv_size", f"None or the prompt cache's "
+                                 f"{prompt_cache.max_kv_size}", max_kv_size)
+        max_kv_size = prompt_cache.max_kv_size
+    if max_kv_size is not None:
+        check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
+    if prompt_cache is not None:
+        prompt_cache.check_models(target, model)
+        prompt_cache.reuse(ids)
+        target_cache, draft_cache = prompt_cache.target_cache, prompt_cache.draft_cache
+    else:
+        margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
+        target_cache = make_cache(target, max_kv_size, margin)
+        draft_cache = make_cache(model, max_kv_size, margin) if model is not None else None
+    eos = eos_ids(tokenizer)
+    steps = decode(
+        target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling, eos_token_ids=eos,
+        target_cache=target_cache, draft_cache=draft_cache, logits_processors=processors,
+        prompt_progress_callback=prompt_progress_callback,
+    )
+    return _stream(steps, tokenizer, stops, eos, prompt_cache, ids)
+
+
+def _stream(steps, tokenizer, stops, eos, prompt_cache, ids) -> Iterator[GenerationResponse]:
+    """The responses; whatever ends the generation (its end, a stop string, close, an error),
+    the loop is closed (its caches rolled back) and the prompt cache records what they hold."""
+    emitted: list[int] = []
+    try:
+        for response in responses(steps, tokenizer, stops, eos):
+            emitted.append(response.token)
+            yield response
+    finally:
+        steps.close()
+        if prompt_cache is not None:
+            prompt_cache.tokens = ids + emitted
+
+
+def generate(
+    target: nn.Module,
+    draft: nn.Module | PromptLookup | str | None,
+    tokenizer: Any,
+    prompt: str | list[int] | Messages,
+    **kwargs: Any,
+) -> tuple[list[int], GenerationStats]:
+    """Like `stream_generate` (same arguments), collected: returns (generated token ids, stats).
+    With stop strings the ids include the token in which the stop string completed."""
+    out = list(stream_generate(target, draft, tokenizer, prompt, **kwargs))
+    return [r.token for r in out], out[-1].stats

@@ -1,0 +1,188 @@
+"""Prompt caches: both models' KV caches and the tokens they hold, reused across generations
+(multi-turn chat) and saved to / loaded from one safetensors file.
+
+Reuse keeps the longest common prefix of the cached tokens and the new prompt (trimming the rest,
+an O(1) offset change) and prefills only the new suffix. A bounded cache that has wrapped can
+only be trimmed within its rollback margin; past that it is rebuilt (nothing reused). A file
+records a fingerprint of the models it was made with and refuses others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from .cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, make_cache, rollback
+from .lookup import PromptLookup
+
+FORMAT = "tinydraft-mlx prompt cache 1"
+MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1
+
+
+class PromptCacheError(ValueError):
+    """A prompt cache that cannot be used with these models, or a file that is not one; the
+    message is one sentence."""
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Identifies a checkpoint: parameter names, shapes and dtypes, and the first values of the
+    first and last parameters (two checkpoints of one architecture differ there)."""
+    flat = tree_flatten(model.parameters())
+    digest = hashlib.sha256()
+    for name, w in flat:
+        digest.update(f"{name}:{w.shape}:{w.dtype};".encode())
+    for _, w in (flat[0], flat[-1]):
+        digest.update(np.array(w.reshape(-1)[:256].astype(mx.float32)).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _trimmable_to(cache: Cache, keep: int) -> bool:
+    """Whether rolling `cache` back to `keep` tokens leaves it consistent."""
+    drop = cache_length(cache) - keep
+    layer = cache[0] if cache else None
+    if isinstance(layer, RollbackRotatingKVCache):
+        return drop <= layer.margin + 1 or layer.offset <= layer.slots
+    return True
+
+
+class PromptCache:
+    """Both models' caches and `tokens`, the sequence they were built from (prompt + output of
+    the last generation; the target holds all of it but the last token, the draft a prefix).
+
+    target, draft: the models (draft None, "prompt-lookup" or a `PromptLookup`: no draft cache).
+    max_kv_size: bound both caches as `stream_generate(max_kv_size=...)` does.
+    """
+
+    def __init__(self, target: nn.Module, draft: Any = None, *,
+                 max_kv_size: int | None = None) -> None:
+        if max_kv_size is not None and (isinstance(max_kv_size, bool)
+                                        or not isinstance(max_kv_size, int)
+                                        or max_kv_size <= KEEP + 1):
+            raise PromptCacheError(f"max_kv_size must be an integer > {KEEP + 1} "
+                                   f"(got {max_kv_size!r})")
+        has_model = draft is not None and not isinstance(draft, (str, PromptLookup))
+        self.target, self.draft = target, draft if has_model else None
+        self.max_kv_size = max_kv_size
+        self.tokens: list[int] = []
+        self.target_cache = make_cache(target, max_kv_size, MARGIN)
+        self.draft_cache = make_cache(draft, max_kv_size, MARGIN) if has_model else None
+
+    def check_models(self, target: nn.Module, draft: Any) -> None:
+        """PromptCacheError unless `target` and `draft` are the models this cache was made for."""
+        has_model = draft is not None and not isinstance(draft, (str, PromptLookup))
+        if target is not self.target:
+            raise PromptCacheError("this prompt cache was made for another target model")
+        if has_model and draft is not self.draft:
+            raise PromptCacheError("this prompt cache was made for another draft model "
+                                   "(or without one)")
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Make the caches hold a prefix of `prompt` (at most all but its last token): the common
+        prefix with `tokens` where it can be kept, else nothing. Returns the target's reused
+        tokens."""
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(prompt) - 1)
+        for name in ("target_cache", "draft_cache"):
+            cache = getattr(self, name)
+            if cache is None:
+                continue
+            target_keep = min(keep, cache_length(cache))
+            if _trimmable_to(cache, target_keep):
+                rollback(cache, target_keep)
+            else:  # a wrapped ring cannot go back that far: rebuild
+                model = self.target if name == "target_cache" else self.draft
+                setattr(self, name, make_cache(model, self.max_kv_size, MARGIN))
+        self.tokens = list(prompt[:keep])
+        return cache_length(self.target_cache)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by both caches."""
+        caches = [c for c in (self.target_cache, self.draft_cache) if c is not None]
+        return sum(_layer_nbytes(layer) for cache in caches for layer in cache)
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+        """Write both caches, the tokens and a fingerprint of the models to one safetensors
+        file. `metadata`: extra strings stored with it (returned by `load`'s `.metadata`)."""
+        arrays: dict[str, mx.array] = {}
+        layers = {}
+        for prefix, cache in (("target", self.target_cache), ("draft", self.draft_cache)):
+            if cache is not None:
+                layers[prefix] = [_save_layer(layer, f"{prefix}.{i}", arrays)
+                                  for i, layer in enumerate(cache)]
+        info = {
+            "format": FORMAT,
+            "tokens": self.tokens,
+            "max_kv_size": self.max_kv_size,
+            "target": fingerprint(self.target),
+            "draft": fingerprint(self.draft) if self.draft is not None else None,
+            "layers": layers,
+            "metadata": dict(metadata or {}),
+        }
+        mx.save_safetensors(str(path), arrays, metadata={"tinydraft_mlx": json.dumps(info)})
+
+    @classmethod
+    def load(cls, path: str | Path, target: nn.Module, draft: Any = None) -> PromptCache:
+        """Read a file written by `save` for these models; PromptCacheError (one sentence) for a
+        missing or foreign file, or models other than those it was made with."""
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            info = json.loads(meta["tinydraft_mlx"])
+            assert info["format"] == FORMAT
+        except Exception:  # unreadable, not safetensors, or not ours: one sentence either way
+            raise PromptCacheError(f"{str(path)!r} is not a tinydraft-mlx prompt cache "
+                                   "file") from None
+        pc = cls(target, draft, max_kv_size=info["max_kv_size"])
+        if info["target"] != fingerprint(target):
+            raise PromptCacheError(f"{str(path)!r} was made with another target model")
+        if (info["draft"] is None) != (pc.draft is None) or (
+                pc.draft is not None and info["draft"] != fingerprint(pc.draft)):
+            raise PromptCacheError(f"{str(path)!r} was made with another draft model "
+                                   "(or without one)")
+        for prefix, cache in (("target", pc.target_cache), ("draft", pc.draft_cache)):
+            if cache is not None:
+                for i, (layer, layer_info) in enumerate(zip(cache, info["layers"][prefix])):
+                    _load_layer(layer, layer_info, arrays, f"{prefix}.{i}")
+        pc.tokens = list(info["tokens"])
+        pc.metadata = info["metadata"]
+        return pc
+
+
+def _layer_nbytes(layer: Any) -> int:
+    keys = getattr(layer, "keys", None)
+    return 0 if keys is None else keys.nbytes + layer.values.nbytes
+
+
+def _save_layer(layer: Any, name: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
+    if isinstance(layer, RollbackRotatingKVCache):
+        if layer.keys is not None:
+            arrays[f"{name}.keys"], arrays[f"{name}.values"] = layer.keys, layer.values
+        return {"kind": "rotating", "offset": layer.offset}
+    if isinstance(layer, KVCache):
+        if layer.offset:
+            arrays[f"{name}.keys"] = layer.keys[..., : layer.offset, :]
+            arrays[f"{name}.values"] = layer.values[..., : layer.offset, :]
+        return {"kind": "kv", "offset": layer.offset}
+    raise PromptCacheError(f"cannot save a {type(layer).__name__} prompt cache")
+
+
+def _load_layer(layer: Any, info: dict[str, Any], arrays: dict[str, mx.array],
+                name: str) -> None:
+    keys, values = arrays.get(f"{name}.keys"), arrays.get(f"{name}.values")
+    if keys is not None:
+        layer.keys, layer.values = keys, values
+    layer.offset = info["offset"]

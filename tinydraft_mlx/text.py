@@ -1,0 +1,191 @@
+"""The text layer above the token loop: prompts (text, token ids or chat messages), streamed text
+through mlx-lm's streaming detokenizer, stop strings, and the `GenerationResponse` each token
+yields.
+
+The decode loop (`speculative.py`) knows nothing about text; this module knows nothing about
+drafting. A stop string may span tokens and rounds: text is streamed except for the shortest
+tail that could still begin a stop string, and at a match everything from the stop string on is
+dropped and the loop is closed, so its caches keep exactly prompt + the tokens emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .sampling import ParameterError
+from .speculative import Token
+from .stats import GenerationStats
+
+Messages = Sequence[dict[str, Any]]
+
+
+@dataclass
+class GenerationResponse:
+    """One generated token, with mlx-lm's field names where the meaning is the same.
+
+    text: the newly decoded text segment (may be empty: a partial character, or a tail held back
+    because it could begin a stop string). token: the token id. logprobs: the target's
+    log-probabilities at this position, (vocab,), after logits processors and before the
+    temperature and truncation (mlx-lm's definition). from_draft: an accepted draft proposal.
+    finish_reason: None while running, then "stop" (EOS or a stop string) or "length".
+    prompt_tokens / prompt_tps: prompt size and prefill speed (tokens reused from a prompt cache
+    are counted in prompt_tokens but not prefilled). generation_tokens / generation_tps: tokens so
+    far and their rate. peak_memory: GB. stats: the live `GenerationStats`.
+    """
+
+    text: str
+    token: int
+    logprobs: mx.array | None
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The stop strings as a tuple; ParameterError unless a string or a list of non-empty
+    strings."""
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    allowed = "a non-empty string or a list of non-empty strings"
+    if not isinstance(items, (list, tuple)):
+        raise ParameterError("stop", allowed, stop)
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ParameterError("stop", allowed, item)
+    return tuple(items)
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string. `feed(segment)` returns (text to emit now,
+    stopped); text that could still begin a stop string is held back until it cannot."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def _held(self) -> int:
+        """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        self.pending += segment
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[: min(hits)], ""
+            return text, True
+        keep = self._held()
+        cut = len(self.pending) - keep
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def flush(self) -> str:
+        """What is held back, at the end of generation (no stop string can complete now)."""
+        text, self.pending = self.pending, ""
+        return text
+
+
+def prompt_ids(tokenizer: Any, prompt: str | Sequence[int] | Messages,
+               vocab_size: int | None = None) -> list[int]:
+    """Token ids for `prompt`: a string (encoded), token ids (checked), or chat messages
+    ([{"role": ..., "content": ...}, ...], through the tokenizer's chat template with the
+    generation prompt). ValueError (ParameterError) for anything else or an empty prompt."""
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt)) if prompt else []
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
+                                                              for m in prompt):
+        ids = chat_ids(tokenizer, prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ParameterError("prompt token ids", "non-negative integers", t)
+            if vocab_size is not None and t >= vocab_size:
+                raise ParameterError("prompt token ids", f"below the vocabulary size "
+                                     f"{vocab_size}", t)
+    else:
+        allowed = "a string, a list of token ids or a list of chat messages"
+        raise ParameterError("prompt", allowed, type(prompt).__name__)
+    if not ids:
+        raise ValueError("prompt must contain at least one token (got an empty prompt)")
+    return ids
+
+
+def chat_ids(tokenizer: Any, messages: Messages) -> list[int]:
+    """Apply the tokenizer's chat template (with the generation prompt) and encode."""
+    for m in messages:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ParameterError("messages", 'dicts with string "role" and "content"', m)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat messages need a chat template; this tokenizer has none")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                         tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def responses(
+    steps: Iterator[Token],
+    tokenizer: Any,
+    stops: Sequence[str],
+    eos_ids: frozenset[int],
+) -> Iterator[GenerationResponse]:
+    """Turn the loop's tokens into responses: detokenize, cut at stop strings, time.
+
+    At a stop string the loop is closed at once: tokens accepted in the same round after the
+    stopping one are never emitted, and the caches keep prompt + the emitted tokens.
+    """
+    detok = tokenizer.detokenizer
+    stop = StopStrings(stops)
+    n = 0
+    try:
+        for token in steps:
+            n += 1
+            stats = token.stats
+            if token.id not in eos_ids:
+                detok.add_token(token.id)
+            finish = {"eos": "stop", "length": "length"}.get(token.finish_reason)
+            if finish is not None:
+                detok.finalize()
+            text, stopped = stop.feed(detok.last_segment)
+            if stopped:
+                finish = stats.finish_reason = "stop"
+            elif finish is not None:
+                text += stop.flush()
+            yield _response(token, text, n, finish)
+            if finish is not None:
+                return
+    finally:
+        steps.close()
+
+
+def _response(token: Token, text: str, n: int, finish: str | None) -> GenerationResponse:
+    stats = token.stats
+    prefilled = stats.prompt_tokens - stats.cached_tokens
+    return GenerationResponse(
+        text=text,
+        token=token.id,
+        logprobs=token.logprobs,
+        from_draft=token.from_draft,
+        prompt_tokens=stats.prompt_tokens,
+        prompt_tps=prefilled / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0,
+        generation_tokens=n,
+        generation_tps=stats.tokens_per_second,
+        peak_memory=stats.peak_memory,
+        finish_reason=finish,
+        stats=stats,
+    )
