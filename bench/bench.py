@@ -27,8 +27,7 @@ from mlx_lm.sample_utils import make_sampler
 from oracle_draft import OracleDraft
 
 from tinydraft_mlx import active_blas, load_models, skinny, stream_generate
-from tinydraft_mlx.cache import make_cache, rollback
-from tinydraft_mlx.speculative import prefill
+from tinydraft_mlx.check import forward_ms, leviathan
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
@@ -86,25 +85,6 @@ def _theirs(target, draft, ids, *, k, max_tokens, temp, seed):
     gen = speculative_generate_step(mx.array(ids), target, draft, num_draft_tokens=k,
                                     max_tokens=max_tokens, sampler=sampler)
     return _decode_rate((int(t), bool(fd)) for t, _, fd in gen)
-
-
-def forward_ms(model, ids, n, repeats=5) -> float:
-    """Median time of one cached forward over n tokens after `ids` (then rolled back)."""
-    cache = make_cache(model)
-    prefill(model, cache, ids)
-    times = []
-    for _ in range(repeats + 1):
-        x = mx.array([ids[-1]] * n, dtype=mx.int32)[None]
-        start = time.perf_counter()
-        mx.eval(model(x, cache=cache))
-        times.append(time.perf_counter() - start)
-        rollback(cache, len(ids))
-    return 1000 * statistics.median(times[1:])
-
-
-def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float:
-    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected * t_1 / (k * t_d + t_v)
 
 
 def mlx_lm_acceptance(from_draft: list[bool], k: int, max_tokens: int) -> float:

@@ -178,6 +178,30 @@ def row_consistency(r: dict) -> list[str]:
     return lines
 
 
+def prompt_cache(r: dict) -> list[str]:
+    s, summary = r["settings"], r["summary"]
+    cmd = _cmd(r, "prompt_cache.py", ["target", "draft", "first_tokens", "second_tokens",
+                                      "max_tokens", "name"])
+    with_pc, without = summary["with prompt cache"], summary["without"]
+    pair = "demo pair" if s["target"] is None else f"{Path(s['target']).name} target"
+    return [
+        f"| {pair} (`{cmd}`; {s['dtype']}, [json](results/{s['name']}.json)) | "
+        f"{summary['second_turn_prompt_tokens']} ({with_pc['cached_tokens']:.0f} cached) | "
+        f"{without['prefill_s']:.3f} s | {with_pc['prefill_s']:.3f} s | "
+        f"{without['prefill_s'] / with_pc['prefill_s']:.1f}x | "
+        f"{without['turn_s']:.2f} s -> {with_pc['turn_s']:.2f} s |",
+    ]
+
+
+PROMPT_CACHE_HEAD = [
+    "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
+    "includes decoding the reply)",
+    "",
+    "| pair | turn-2 prompt tokens | prefill without | with the cache | speedup | whole turn |",
+    "| --- | --- | --- | --- | --- | --- |",
+]
+
+
 def main() -> None:
     parts = []
     for name, render in [
@@ -194,6 +218,10 @@ def main() -> None:
         data = _load(name)
         if data is not None:
             parts += render(data) + [""]
+    rows = [row for name in ("prompt_cache", "prompt_cache_shapes") if (data := _load(name))
+            for row in prompt_cache(data)]
+    if rows:
+        parts += PROMPT_CACHE_HEAD + rows + [""]
     readme = ROOT / "README.md"
     text = readme.read_text()
     head, rest = text.split(START)

@@ -31,7 +31,9 @@ def test_which_calls_take_the_fast_path():
     big = mx.zeros((2048, 2048))
     small = mx.zeros((64, 64))
     assert skinny._skinny(big, mx.zeros((1, 5, 2048))) is not None
+    assert skinny._skinny(big, mx.zeros((1, 4, 2048))) is not None
     assert skinny._skinny(big, mx.zeros((1, 1, 2048))) is None  # one row: the plain gemv
+    assert skinny._skinny(big, mx.zeros((1, 3, 2048))) is None  # 2-3 rows: MKL's is faster
     assert skinny._skinny(big, mx.zeros((1, 65, 2048))) is None  # prefill-sized
     assert skinny._skinny(small, mx.zeros((1, 5, 64))) is None  # small weight
 

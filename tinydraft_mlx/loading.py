@@ -163,11 +163,20 @@ def load_models(
         draft = default_draft(str(target))
     target_model, tokenizer = load_model(target, dtype)
     skinny.enable(target_model)
+    return target_model, load_draft(draft, tokenizer, dtype=dtype), tokenizer
+
+
+def load_draft(
+    draft: str | Path | None, target_tokenizer: Any, *, dtype: str | mx.Dtype | None = None
+) -> nn.Module | PromptLookup | None:
+    """A draft for a target already loaded: None or "none" -> None, "prompt-lookup" -> a
+    `PromptLookup`, else the checkpoint (hub id or directory), refused unless it shares the
+    target's tokenizer."""
     if draft is None or str(draft).lower() == NO_DRAFT:
-        return target_model, None, tokenizer
+        return None
     if str(draft).lower() == PROMPT_LOOKUP:
-        return target_model, PromptLookup(), tokenizer
+        return PromptLookup()
     draft_model, draft_tokenizer = load_model(draft, dtype)
-    check_tokenizers(tokenizer, draft_tokenizer)
+    check_tokenizers(target_tokenizer, draft_tokenizer)
     skinny.enable(draft_model)
-    return target_model, draft_model, tokenizer
+    return draft_model
