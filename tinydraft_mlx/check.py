@@ -37,7 +37,7 @@ import numpy as np
 from .api import generate, stream_generate
 from .backend import active_blas, device_name
 from .cache import make_cache, rollback
-from .loading import ModelLoadError, load_draft, load_models
+from .loading import ModelLoadError, default_draft, load_draft, load_models
 from .lookup import PromptLookup
 from .prompt_cache import PromptCache
 from .sampling import ParameterError, SamplingParams, check_int, warp
@@ -128,13 +128,16 @@ def plain_reference(target, tok, ids: list[int], n: int) -> dict[str, Any]:
 
 
 def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) -> dict[str, Any]:
-    """Speculative greedy vs plain for every k and prompt: divergences (near-tie or not), the
-    tokens compared, acceptance and decode rates per k."""
+    """Speculative greedy vs plain for every prompt and k: divergences (near-tie or not), the
+    tokens compared, acceptance, and decode rates per k next to a plain run of the same prompt
+    timed just before (side by side, so a noisy machine shifts both)."""
     out = {"divergences": [], "compared_tokens": 0, "per_k": {}}
-    for k in ks:
-        tokens = seconds = accepted = drafted = rounds = 0
-        reached, hits = [0] * k, [0] * k
-        for p, (ids, ref) in enumerate(zip(prompts, refs)):
+    totals = {k: Counter() for k in ks}
+    hits = {k: [0] * k for k in ks}
+    reached = {k: [0] * k for k in ks}
+    for p, (ids, ref) in enumerate(zip(prompts, refs)):
+        _, plain = generate(target, None, tok, ids, max_tokens=max_tokens)
+        for k in ks:
             got, stats = generate(target, draft, tok, ids, k=k, max_tokens=max_tokens)
             position = next((i for i, (a, b) in enumerate(zip(got, ref["tokens"])) if a != b),
                             None)
@@ -143,16 +146,21 @@ def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) ->
                 margin = ref["margins"][position]
                 out["divergences"].append({"prompt": p, "k": k, "position": position,
                                            "margin": margin, "near_tie": margin < tolerance})
-            tokens, seconds = tokens + stats.generated, seconds + stats.decode_seconds
-            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
-            rounds += stats.rounds
+            totals[k].update(tokens=stats.generated, seconds=stats.decode_seconds,
+                             plain_tokens=plain.generated, plain_seconds=plain.decode_seconds,
+                             accepted=stats.accepted, drafted=stats.drafted, rounds=stats.rounds)
             for i, (a, r) in enumerate(zip(stats.position_accepted, stats.position_reached)):
-                hits[i], reached[i] = hits[i] + a, reached[i] + r
+                hits[k][i], reached[k][i] = hits[k][i] + a, reached[k][i] + r
+    for k, t in totals.items():
+        rate = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
+        plain_rate = t["plain_tokens"] / t["plain_seconds"] if t["plain_seconds"] else 0.0
         out["per_k"][k] = {
-            "tokens_per_second": tokens / seconds if seconds else 0.0,
-            "acceptance": accepted / drafted if drafted else 0.0,
-            "per_position": [h / r if r else None for h, r in zip(hits, reached)],
-            "round_ms": 1000 * seconds / max(1, rounds),
+            "tokens_per_second": rate,
+            "plain_tokens_per_second": plain_rate,
+            "speedup": rate / plain_rate if plain_rate else 0.0,
+            "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+            "per_position": [h / r if r else None for h, r in zip(hits[k], reached[k])],
+            "round_ms": 1000 * t["seconds"] / max(1, t["rounds"]),
         }
     return out
 
@@ -212,8 +220,6 @@ def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k)
 
 def check_draft(name, target, draft, tok, prompts, refs, args, sampling, tolerance) -> dict:
     """All five checks for one draft."""
-    plain_rate = (sum(r["stats"].generated for r in refs)
-                  / sum(r["stats"].decode_seconds for r in refs))
     greedy = greedy_runs(target, draft, tok, prompts, refs, args.ks, args.max_tokens, tolerance)
     failures = [d for d in greedy["divergences"] if not d["near_tie"]]
     c = costs(target, draft, prompts[0], max(args.ks), args.repeats)
@@ -243,9 +249,7 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
         },
         "predicted_speedup": {k: leviathan(alpha, k, c["t_d"], c["t_1"], c["t_v"][k + 1])
                               for k in args.ks},
-        "measured_speedup": {k: greedy["per_k"][k]["tokens_per_second"] / plain_rate
-                             for k in args.ks},
-        "plain_tokens_per_second": plain_rate,
+        "measured_speedup": {k: greedy["per_k"][k]["speedup"] for k in args.ks},
     }
 
 
@@ -276,8 +280,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                 description="Is speculative decoding exact for this pair here, and does it pay?")
     p.add_argument("--target", "--model", default=None, help="target (default: the demo target)")
     p.add_argument("--draft", action="append", default=None,
-                   help="a draft model, 'prompt-lookup' or 'none'; repeat to compare several "
-                        "(default: the target's default draft)")
+                   help="a draft model, 'default' (the target's default draft), 'prompt-lookup' "
+                        "or 'none'; repeat to compare several (default: 'default')")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompts: a JSON list of strings, or text with prompts separated by "
                         "lines holding only '---' (default: 6 built-in code/text prompts)")
@@ -315,9 +319,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p)
     if sampling.greedy:
         raise ParameterError("--temp", "> 0 for the sampling check", args.temp)
-    target, first, tok = load_models(args.target, (args.draft or [None])[0], dtype=args.dtype)
     names = args.draft or ["default"]
-    drafts = [first] + [load_draft(d, tok, dtype=args.dtype) for d in names[1:]]
+    paths = [default_draft(args.target) if n == "default" else n for n in names]
+    target, first, tok = load_models(args.target, paths[0], dtype=args.dtype)
+    drafts = [first] + [load_draft(d, tok, dtype=args.dtype) for d in paths[1:]]
     texts = read_prompts(args.prompts)[: args.n_prompts]
     prompts = [tok.encode(t) for t in texts]
     generate(target, first, tok, prompts[0], k=2, max_tokens=8)  # warm-up
@@ -377,6 +382,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  acceptance, greedy: " + ", ".join(
             f"k={k} {v['overall']:.2f}" for k, v in acc["greedy"].items())
             + f"; sampled (k=4): {acc['sampled']['acceptance']:.2f}")
+        lines.append("  host overhead per round (beyond k t_d + t_v(k+1)): " + ", ".join(
+            f"k={k} {v:.0%}" for k, v in c["host_overhead_per_round"].items()))
         lines.append("  speedup per k, predicted / measured: " + ", ".join(
             f"k={k} {r['predicted_speedup'][k]:.2f}x / {r['measured_speedup'][k]:.2f}x"
             for k in s["ks"]))
