@@ -61,10 +61,14 @@ def test_demo_pair_quick_is_exact(report_file, tmp_path, capsys):
 
 def test_fixtures_with_several_drafts(checkpoints, report_file):
     assert main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
-                 "--draft", "prompt-lookup", "--quick", "--top-p", "0.9",
+                 "--draft", "prompt-lookup", "--draft", "none", "--quick", "--top-p", "0.9",
                  "--json", str(report_file)]) == 0
     report = json.loads(report_file.read_text())
-    assert [d["draft"] for d in report["drafts"]] == [str(checkpoints["draft"]), "prompt-lookup"]
+    assert [d["draft"] for d in report["drafts"]] == [str(checkpoints["draft"]), "prompt-lookup",
+                                                      "none"]
+    assert [d["plain"] for d in report["drafts"]] == [False, False, True]
+    # plain decoding is the baseline, never "recommended with k" on its own noise
+    assert report["recommended"]["draft"] != "none" or report["recommended_k"] == 0
     assert report["drafts"][0]["sampling"]["first_token_paths"].keys() == {"accepted",
                                                                           "resampled"}
 

@@ -167,13 +167,14 @@ def test_bad_prompt_cache_arguments(pair):
 def test_cli_prompt_cache_file_and_progress(checkpoints, tmp_path, capsys):
     """The second run with the same file reuses the first run's prompt; a prompt longer than one
     prefill chunk (512 tokens) shows a progress bar on stderr."""
-    path = tmp_path / "chat.safetensors"
+    path = tmp_path / "chat"  # saved as chat.safetensors, found again under the same name
     long_prompt = "def parse_args(self, args=None):\n" * 60  # > 512 tokens
     base = ["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
             "--max-tokens", "8", "--prompt-cache-file", str(path)]
     assert main(base + ["--prompt", long_prompt]) == 0
     first = capsys.readouterr()
-    assert path.exists() and "prompt:" in first.err and "cached" not in first.err
+    assert (tmp_path / "chat.safetensors").exists()
+    assert "prompt:" in first.err and "cached" not in first.err
     assert main(base + ["--prompt", long_prompt]) == 0
     second = capsys.readouterr()
     assert second.out == first.out

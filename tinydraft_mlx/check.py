@@ -235,6 +235,7 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
     c["host_overhead_per_round"] = overhead
     return {
         "draft": name,
+        "plain": draft is None,  # the baseline: its "speedups" are plain vs plain (noise)
         "greedy_identical": not failures,
         "greedy": greedy,
         "sampling_p_value": sampled["p_value"],
@@ -255,12 +256,14 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
 
 def recommend(results: list[dict]) -> dict[str, Any]:
     """The draft and k with the best measured speedup, or plain decoding when none beats 1."""
-    best = max(((r, k, s) for r in results for k, s in r["measured_speedup"].items()),
-               key=lambda t: t[2], default=None)
-    if best is None or best[2] <= 1.0:
-        measured = f"{best[2]:.2f}x" if best else "nothing"
+    best = max(((r, k, s) for r in results if not r["plain"]
+                for k, s in r["measured_speedup"].items()), key=lambda t: t[2], default=None)
+    if best is None:
+        return {"draft": "none", "k": 0, "why": "only plain decoding was checked"}
+    if best[2] <= 1.0:
         return {"draft": "none", "k": 0, "why": f"no draft and k beat plain decoding here "
-                f"(best measured {measured}): use plain decoding, a better draft, or k=auto"}
+                f"(best measured {best[2]:.2f}x): use plain decoding, a better draft, or "
+                "k=auto"}
     r, k, s = best
     return {"draft": r["draft"], "k": k,
             "why": f"measured {s:.2f}x plain decoding at k={k} (predicted "
@@ -384,6 +387,10 @@ def format_report(report: dict[str, Any]) -> str:
             + f"; sampled (k=4): {acc['sampled']['acceptance']:.2f}")
         lines.append("  host overhead per round (beyond k t_d + t_v(k+1)): " + ", ".join(
             f"k={k} {v:.0%}" for k, v in c["host_overhead_per_round"].items()))
+        if r["plain"]:
+            lines.append("  plain decoding against itself (this machine's run-to-run noise): "
+                         + ", ".join(f"{v:.2f}x" for v in r["measured_speedup"].values()))
+            continue
         lines.append("  speedup per k, predicted / measured: " + ", ".join(
             f"k={k} {r['predicted_speedup'][k]:.2f}x / {r['measured_speedup'][k]:.2f}x"
             for k in s["ks"]))
@@ -407,6 +414,8 @@ def plot(report: dict[str, Any], path: str) -> None:
                          label=f"t_v(n) / t_1 ({r['draft']})")
         cost.axhline(c["t_d"] / c["t_1"], ls=":", color=line[0].get_color(),
                      label=f"t_d / t_1 ({r['draft']})")
+        if r["plain"]:
+            continue
         ks = [int(k) for k in r["measured_speedup"]]
         line = speed.plot(ks, list(r["measured_speedup"].values()), marker="o",
                           label=f"measured ({r['draft']})")

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 import types
-from pathlib import Path
 from typing import NoReturn
 
 from . import api
 from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
-from .prompt_cache import PromptCache, PromptCacheError
+from .prompt_cache import PromptCache, PromptCacheError, cache_file
 from .sampling import ParameterError, SamplingParams, check_int
 from .speculative import PREFILL_STEP
 from .text import chat_ids, check_stop
@@ -122,7 +121,7 @@ def _load_prompt_cache(path: str | None, target, draft, max_kv_size) -> PromptCa
     """The cache in `path` if it exists, else a new one; None without --prompt-cache-file."""
     if path is None:
         return None
-    if Path(path).exists():
+    if cache_file(path).exists():
         pc = PromptCache.load(path, target, draft)
         if max_kv_size not in (None, pc.max_kv_size):
             raise ValueError(f"--max-kv-size {max_kv_size} differs from the prompt cache file's "

@@ -27,6 +27,13 @@ FORMAT = "tinydraft-mlx prompt cache 1"
 MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1
 
 
+def cache_file(path: str | Path) -> Path:
+    """The file a prompt cache is saved to and read from: `path`, with ".safetensors" added when
+    it lacks it (as `mx.save_safetensors` does), so saving and loading name the same file."""
+    path = Path(path)
+    return path if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors")
+
+
 class PromptCacheError(ValueError):
     """A prompt cache that cannot be used with these models, or a file that is not one; the
     message is one sentence."""
@@ -117,7 +124,8 @@ class PromptCache:
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
         """Write both caches, the tokens and a fingerprint of the models to one safetensors
-        file. `metadata`: extra strings stored with it (returned by `load`'s `.metadata`)."""
+        file (".safetensors" is added to `path` if missing). `metadata`: extra strings stored
+        with it (returned by `load`'s `.metadata`)."""
         arrays: dict[str, mx.array] = {}
         layers = {}
         for prefix, cache in (("target", self.target_cache), ("draft", self.draft_cache)):
@@ -133,12 +141,14 @@ class PromptCache:
             "layers": layers,
             "metadata": dict(metadata or {}),
         }
-        mx.save_safetensors(str(path), arrays, metadata={"tinydraft_mlx": json.dumps(info)})
+        mx.save_safetensors(str(cache_file(path)), arrays,
+                            metadata={"tinydraft_mlx": json.dumps(info)})
 
     @classmethod
     def load(cls, path: str | Path, target: nn.Module, draft: Any = None) -> PromptCache:
         """Read a file written by `save` for these models; PromptCacheError (one sentence) for a
         missing or foreign file, or models other than those it was made with."""
+        path = cache_file(path)
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
             info = json.loads(meta["tinydraft_mlx"])
