@@ -107,14 +107,16 @@ def forward_ms(model, ids: list[int], n: int, repeats: int = 5) -> float:
     return 1000 * statistics.median(times[1:])
 
 
-def costs(target, draft, ids: list[int], k_max: int, repeats: int) -> dict[str, Any]:
-    """t_1, t_d (0 without a draft model) and t_v(n) for n = 1..k_max + 1, in ms."""
+def target_costs(target, ids: list[int], k_max: int, repeats: int) -> dict[str, Any]:
+    """t_1 and t_v(n) for n = 1..k_max + 1, in ms (measured once, shared by every draft)."""
+    return {"t_1": forward_ms(target, ids, 1, repeats),
+            "t_v": {n: forward_ms(target, ids, n, repeats) for n in range(1, k_max + 2)}}
+
+
+def draft_ms(draft, ids: list[int], repeats: int) -> float:
+    """t_d: one draft step in ms (0 for prompt lookup and plain decoding)."""
     model = draft if draft is not None and not isinstance(draft, PromptLookup) else None
-    return {
-        "t_1": forward_ms(target, ids, 1, repeats),
-        "t_d": forward_ms(model, ids, 1, repeats) if model is not None else 0.0,
-        "t_v": {n: forward_ms(target, ids, n, repeats) for n in range(1, k_max + 2)},
-    }
+    return forward_ms(model, ids, 1, repeats) if model is not None else 0.0
 
 
 def plain_reference(target, tok, ids: list[int], n: int) -> dict[str, Any]:
@@ -218,11 +220,12 @@ def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k)
 
 # -- one draft ------------------------------------------------------------------------------------
 
-def check_draft(name, target, draft, tok, prompts, refs, args, sampling, tolerance) -> dict:
-    """All five checks for one draft."""
+def check_draft(name, target, draft, tok, prompts, refs, args, sampling, tolerance,
+                measured: dict[str, Any]) -> dict:
+    """All five checks for one draft; `measured`: the target's costs."""
     greedy = greedy_runs(target, draft, tok, prompts, refs, args.ks, args.max_tokens, tolerance)
     failures = [d for d in greedy["divergences"] if not d["near_tie"]]
-    c = costs(target, draft, prompts[0], max(args.ks), args.repeats)
+    c = {**measured, "t_d": draft_ms(draft, prompts[0], args.repeats)}
     pooled = [greedy["per_k"][k]["per_position"][0] for k in args.ks
               if greedy["per_k"][k]["per_position"][0] is not None]
     alpha = statistics.mean(pooled) if pooled else 0.0
@@ -332,8 +335,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refs = [plain_reference(target, tok, ids, args.max_tokens) for ids in prompts]
     dtype = str(target.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
     tolerance = NEAR_TIE.get(dtype, NEAR_TIE["float32"])
-    results = [check_draft(name, target, d, tok, prompts, refs, args, sampling, tolerance)
-               for name, d in zip(names, drafts)]
+    measured = target_costs(target, prompts[0], max(args.ks), args.repeats)
+    results = [check_draft(name, target, d, tok, prompts, refs, args, sampling, tolerance,
+                           measured) for name, d in zip(names, drafts)]
     return {
         "target": args.target or "bundled demo target",
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "ks": args.ks,
