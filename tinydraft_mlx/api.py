@@ -8,7 +8,6 @@ parameter, the allowed range and the value received.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,10 +15,10 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import KEEP, make_cache
-from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup, draft_model
 from .policy import AUTO
 from .prompt_cache import PromptCache
-from .sampling import ParameterError, SamplingParams, check_int
+from .sampling import ParameterError, SamplingParams, check_float, check_int
 from .speculative import Processor, Progress, decode, max_draft_length, vocab_width
 from .stats import GenerationStats
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
@@ -60,12 +59,10 @@ def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | P
 
 
 def _check_float(name: str, value: object, low: float | None = None) -> None:
-    allowed = "a finite number" + ("" if low is None else f" >= {low}")
-    if value is None:
-        return
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or (low is not None and value < low)):
-        raise ParameterError(name, allowed, value)
+    """ParameterError unless `value` is None or a finite number (>= `low` when given)."""
+    if value is not None:
+        allowed = "a finite number" + ("" if low is None else f" >= {low}")
+        check_float(name, value, lambda v: low is None or v >= low, allowed)
 
 
 def build_processors(
@@ -191,7 +188,7 @@ def stream_generate(
                              prompt_progress_callback)
     ids = prompt_ids(tokenizer, prompt, width)
     k_eff = max_draft_length(draft, k)
-    model = draft if draft is not None and not isinstance(draft, PromptLookup) else None
+    model = draft_model(draft)
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise ParameterError("prompt_cache", "a PromptCache", type(prompt_cache).__name__)

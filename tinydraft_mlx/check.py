@@ -38,7 +38,7 @@ from .api import generate, stream_generate
 from .backend import active_blas, device_name
 from .cache import make_cache, rollback
 from .loading import ModelLoadError, default_draft, load_draft, load_models
-from .lookup import PromptLookup
+from .lookup import draft_model
 from .prompt_cache import PromptCache
 from .sampling import ParameterError, SamplingParams, check_int, warp
 from .speculative import prefill
@@ -115,7 +115,7 @@ def target_costs(target, ids: list[int], k_max: int, repeats: int) -> dict[str, 
 
 def draft_ms(draft, ids: list[int], repeats: int) -> float:
     """t_d: one draft step in ms (0 for prompt lookup and plain decoding)."""
-    model = draft if draft is not None and not isinstance(draft, PromptLookup) else None
+    model = draft_model(draft)
     return forward_ms(model, ids, 1, repeats) if model is not None else 0.0
 
 
@@ -127,6 +127,12 @@ def plain_reference(target, tok, ids: list[int], n: int) -> dict[str, Any]:
         top2 = np.sort(np.array(r.logprobs.astype(mx.float32)))[-2:]
         margins.append(float(top2[1] - top2[0]))
     return {"tokens": tokens, "margins": margins, "stats": r.stats}
+
+
+def _add_positions(hits: list[int], reached: list[int], stats) -> None:
+    """Add a generation's per-position accepted / reached counts to running totals."""
+    for i, (a, r) in enumerate(zip(stats.position_accepted, stats.position_reached)):
+        hits[i], reached[i] = hits[i] + a, reached[i] + r
 
 
 def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) -> dict[str, Any]:
@@ -151,8 +157,7 @@ def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) ->
             totals[k].update(tokens=stats.generated, seconds=stats.decode_seconds,
                              plain_tokens=plain.generated, plain_seconds=plain.decode_seconds,
                              accepted=stats.accepted, drafted=stats.drafted, rounds=stats.rounds)
-            for i, (a, r) in enumerate(zip(stats.position_accepted, stats.position_reached)):
-                hits[k][i], reached[k][i] = hits[k][i] + a, reached[k][i] + r
+            _add_positions(hits[k], reached[k], stats)
     for k, t in totals.items():
         rate = t["tokens"] / t["seconds"] if t["seconds"] else 0.0
         plain_rate = t["plain_tokens"] / t["plain_seconds"] if t["plain_seconds"] else 0.0
@@ -171,7 +176,7 @@ def _first_distributions(target, draft, ids, sampling) -> tuple[np.ndarray, floa
     """The target's warped first-token distribution p after `ids`, and sum(min(p, q)) with the
     draft model's q (the probability that its first proposal is accepted; 1.0 without a model)."""
     p = np.array(warp(target(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
-    if draft is None or isinstance(draft, PromptLookup):
+    if draft_model(draft) is None:
         return p / p.sum(), 1.0
     q = np.array(warp(draft(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
     width = min(len(p), len(q))
@@ -212,8 +217,7 @@ def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k)
                             temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, min_p=sampling.min_p)
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
-        for j, (a, r) in enumerate(zip(stats.position_accepted, stats.position_reached)):
-            hits[j], reached[j] = hits[j] + a, reached[j] + r
+        _add_positions(hits, reached, stats)
     return {"acceptance": accepted / drafted if drafted else 0.0,
             "per_position": [h / r if r else None for h, r in zip(hits, reached)]}
 

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from .cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, make_cache, rollback
-from .lookup import PromptLookup
+from .lookup import draft_model
 
 FORMAT = "tinydraft-mlx prompt cache 1"
 MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1
@@ -75,19 +75,18 @@ class PromptCache:
                                         or max_kv_size <= KEEP + 1):
             raise PromptCacheError(f"max_kv_size must be an integer > {KEEP + 1} "
                                    f"(got {max_kv_size!r})")
-        has_model = draft is not None and not isinstance(draft, (str, PromptLookup))
-        self.target, self.draft = target, draft if has_model else None
+        self.target, self.draft = target, draft_model(draft)
         self.max_kv_size = max_kv_size
         self.tokens: list[int] = []
         self.target_cache = make_cache(target, max_kv_size, MARGIN)
-        self.draft_cache = make_cache(draft, max_kv_size, MARGIN) if has_model else None
+        self.draft_cache = (make_cache(self.draft, max_kv_size, MARGIN)
+                            if self.draft is not None else None)
 
     def check_models(self, target: nn.Module, draft: Any) -> None:
         """PromptCacheError unless `target` and `draft` are the models this cache was made for."""
-        has_model = draft is not None and not isinstance(draft, (str, PromptLookup))
         if target is not self.target:
             raise PromptCacheError("this prompt cache was made for another target model")
-        if has_model and draft is not self.draft:
+        if draft_model(draft) is not None and draft is not self.draft:
             raise PromptCacheError("this prompt cache was made for another draft model "
                                    "(or without one)")
 

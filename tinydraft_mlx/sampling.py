@@ -31,7 +31,8 @@ def check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
     return value
 
 
-def _check_float(name: str, value: object, ok, allowed: str) -> float:
+def check_float(name: str, value: object, ok, allowed: str) -> float:
+    """`value` as a float if it is a finite number with ok(value), else raise ParameterError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ParameterError(name, allowed, value)
     if not math.isfinite(value) or not ok(value):
@@ -51,10 +52,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
-        _check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
+        check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         check_int("top_k", self.top_k, 0)
-        _check_float("min_p", self.min_p, lambda v: 0 <= v < 1, "in [0, 1)")
+        check_float("min_p", self.min_p, lambda v: 0 <= v < 1, "in [0, 1)")
         if self.seed is not None:
             check_int("seed", self.seed, 0, 2**63 - 1)
 

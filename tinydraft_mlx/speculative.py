@@ -27,7 +27,7 @@ from mlx_lm.generate import wired_limit
 
 from .backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
-from .lookup import NgramIndex, PromptLookup
+from .lookup import NgramIndex, PromptLookup, draft_model
 from .policy import AUTO, AUTO_MAX_K, shared_policy
 from .rejection import greedy_accept, speculative_accept
 from .sampling import SamplingParams, warp
@@ -227,7 +227,7 @@ def decode(
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
     lookup = draft if isinstance(draft, PromptLookup) else None
-    model = None if lookup is not None else draft
+    model = draft_model(draft)
     target_cache = make_cache(target) if target_cache is None else target_cache
     if model is not None and draft_cache is None:
         draft_cache = make_cache(model)
