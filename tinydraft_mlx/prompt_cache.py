@@ -9,6 +9,7 @@ records a fingerprint of the models it was made with and refuses others.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -113,6 +114,16 @@ class PromptCache:
         self.tokens = list(prompt[:keep])
         return cache_length(self.target_cache)
 
+    def copy(self) -> PromptCache:
+        """An independent copy (both caches' arrays are copied): reusing or extending it never
+        changes this one."""
+        clone = object.__new__(PromptCache)
+        clone.__dict__.update(self.__dict__)
+        clone.tokens = list(self.tokens)
+        clone.target_cache = _copy_cache(self.target_cache)
+        clone.draft_cache = _copy_cache(self.draft_cache)
+        return clone
+
     @property
     def nbytes(self) -> int:
         """Bytes held by both caches."""
@@ -169,6 +180,20 @@ class PromptCache:
         pc.tokens = list(info["tokens"])
         pc.metadata = info["metadata"]
         return pc
+
+
+def _copy_cache(cache: Cache | None) -> Cache | None:
+    """New layer objects holding copies of the arrays (`mx.array(x)` copies; sharing the array
+    objects would let a slice update through one cache show in the other)."""
+    if cache is None:
+        return None
+    layers = []
+    for layer in cache:
+        clone = copy.copy(layer)
+        if getattr(layer, "keys", None) is not None:
+            clone.keys, clone.values = mx.array(layer.keys), mx.array(layer.values)
+        layers.append(clone)
+    return layers
 
 
 def _layer_nbytes(layer: Any) -> int:

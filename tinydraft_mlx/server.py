@@ -1,0 +1,662 @@
+"""An OpenAI-compatible HTTP server: `python -m tinydraft_mlx.server` (console script
+`tinydraft-mlx-server`), FastAPI + uvicorn.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream and not; SSE
+ending with `data: [DONE]`), GET /health, and GET / (a page that streams a completion and colours
+the tokens that came from the draft). Generation is exact speculative decoding through the
+generation API; one generation runs at a time on the worker thread (`worker.py`), requests wait
+in a bounded FIFO (503 with Retry-After beyond it), recent conversations stay in a prompt-cache
+pool (`cache_pool.py`) so a second chat turn prefills only its new tokens.
+
+Bad input is answered with HTTP 400 and OpenAI's error body naming the field, the allowed range
+and the value; unknown models with 404; bodies over the limit with 413.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, NoReturn
+
+import mlx.nn as nn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import openai_schema as oa
+from .api import MAX_DRAFT_TOKENS, check_k
+from .cache import KEEP
+from .lookup import NO_DRAFT, PROMPT_LOOKUP
+from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
+from .sampling import ParameterError, SamplingParams, check_int
+from .text import chat_ids, check_stop, prompt_ids
+from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker
+
+DRAFT_MODEL = "model"
+DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, NO_DRAFT)
+MAX_TOP_LOGPROBS = 20
+MAX_BODY_BYTES = 8 << 20
+POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is there
+
+log = logging.getLogger("tinydraft_mlx.server")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, param=self.param, code=self.code, kind=self.kind)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# request field that a library parameter name comes from
+_PARAMS = {"k": "num_draft_tokens", "prompt token ids": "prompt", "logit_bias token id":
+           "logit_bias", "logit_bias value": "logit_bias"}
+
+
+def _parameter_error(err: ParameterError, renames: dict[str, str] | None = None) -> APIError:
+    param = (renames or {}).get(err.name) or _PARAMS.get(err.name, err.name)
+    name = param if err.name in ("k", "max_tokens") else err.name
+    return _bad(param, f"{name} must be {err.allowed} (got {err.value!r})")
+
+
+@dataclass
+class Defaults:
+    """What a request gets for the fields it leaves out (the server's flags)."""
+
+    k: int | str = 4
+    draft: str = DRAFT_MODEL
+    max_tokens: int = 512
+    temperature: float = 0.0
+
+
+@dataclass
+class Plan:
+    """A validated request: the job's inputs plus what the response needs."""
+
+    prompt: list[int]
+    draft: str
+    options: dict[str, Any]
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+class Service:
+    """The state behind the routes: the worker, the tokenizer, the served model's name and the
+    defaults."""
+
+    def __init__(self, worker: Worker, model_name: str, defaults: Defaults) -> None:
+        self.worker, self.model_name, self.defaults = worker, model_name, defaults
+        self.tokenizer = worker.tokenizer
+        args = getattr(worker.target, "args", None)
+        self.context = getattr(args, "max_position_embeddings", None)
+        self.vocab = _vocab_size(worker.target)
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def plan(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> Plan:
+        """Check every field and build the job's inputs; APIError (400/404) for bad input."""
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves "
+                           f"{self.model_name!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        if req.n not in (None, 1):
+            raise _bad("n", f"n must be 1: one completion per request (got {req.n!r})")
+        _reject_unsupported(req, chat)
+        ids = self._chat_prompt(req) if chat else self._text_prompt(req)
+        limit_name, limit = self._context_limit()
+        if limit is not None and len(ids) >= limit:
+            raise _bad("messages" if chat else "prompt",
+                       f"the prompt has {len(ids)} tokens; {limit_name} is {limit}, so it must "
+                       f"have at most {limit - 1}", code="context_length_exceeded")
+        draft = self._draft(req.draft)
+        k = self.defaults.k if req.num_draft_tokens is None else req.num_draft_tokens
+        max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
+            else "max_tokens"
+        max_tokens = getattr(req, max_name)
+        options = {
+            "k": k,
+            "max_tokens": self.defaults.max_tokens if max_tokens is None else max_tokens,
+            "temperature": (self.defaults.temperature if req.temperature is None
+                            else req.temperature),
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_k": 0 if req.top_k is None else req.top_k,
+            "min_p": 0.0 if req.min_p is None else req.min_p,
+            "seed": req.seed,
+            "stop": req.stop,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "logit_bias": self._logit_bias(req.logit_bias),
+        }
+        try:
+            SamplingParams(options["temperature"], options["top_p"], options["top_k"],
+                           options["min_p"], options["seed"])
+            if draft != NO_DRAFT:
+                check_k(k)
+            check_int("max_tokens", options["max_tokens"], 1)
+            check_stop(options["stop"])
+        except ParameterError as err:
+            raise _parameter_error(err, {"max_tokens": max_name}) from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Plan(ids, draft, options, self._logprobs(req, chat), req.stream, include_usage,
+                    chat)
+
+    def _text_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if prompt is None:
+            raise _bad("prompt", "prompt is required: a string or a list of token ids")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise _bad("prompt", f"one prompt per request (got a list of {len(prompt)} "
+                           "strings)")
+            prompt = prompt[0]
+        try:
+            return prompt_ids(self.tokenizer, prompt, self.vocab)
+        except ParameterError as err:
+            raise _parameter_error(err) from None
+        except ValueError as err:
+            raise _bad("prompt", str(err)) from None
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise _bad("messages", "messages is required: a non-empty list of "
+                       '{"role", "content"} objects')
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                kinds = {part.type for part in content}
+                if kinds - {"text"}:
+                    raise _bad(f"messages[{i}].content", "only text content parts are "
+                               f"supported (got {sorted(kinds - {'text'})})")
+                content = "".join(part.text or "" for part in content)
+            messages.append({"role": m.role, "content": content or ""})
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise _bad("messages", "this model's tokenizer has no chat template: use "
+                       "/v1/completions, or start the server with --chat-template")
+        try:
+            return chat_ids(self.tokenizer, messages)
+        except ValueError as err:
+            raise _bad("messages", str(err)) from None
+
+    def _context_limit(self) -> tuple[str, int | None]:
+        if self.worker.max_kv_size is not None:
+            return "--max-kv-size", self.worker.max_kv_size
+        return "the model's context length", self.context
+
+    def _draft(self, draft: str | None) -> str:
+        draft = self.defaults.draft if draft is None else draft
+        if draft not in DRAFT_CHOICES:
+            raise _bad("draft", f"draft must be one of {list(DRAFT_CHOICES)} (got {draft!r})")
+        if draft == DRAFT_MODEL and self.worker.draft is None:
+            raise _bad("draft", 'draft "model": this server has no draft model loaded '
+                       f'(use "{PROMPT_LOOKUP}" or "{NO_DRAFT}")')
+        return draft
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise _bad("logit_bias", f"logit_bias keys must be token ids (got {key!r})")\
+                    from None
+            if not 0 <= token < self.vocab:
+                raise _bad("logit_bias", f"logit_bias token ids must be in [0, {self.vocab - 1}]"
+                           f" (got {token})")
+            out[token] = value
+        return out
+
+    def _logprobs(self, req: CompletionRequest | ChatCompletionRequest,
+                  chat: bool) -> int | None:
+        if chat:
+            if req.top_logprobs is not None and not req.logprobs:
+                raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+            if not req.logprobs:
+                return None
+            top, name = (0 if req.top_logprobs is None else req.top_logprobs), "top_logprobs"
+        else:
+            if req.logprobs is None:
+                return None
+            top, name = req.logprobs, "logprobs"
+        try:
+            return check_int(name, top, 0, MAX_TOP_LOGPROBS)
+        except ParameterError as err:
+            raise _parameter_error(err) from None
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def job_draft(self, draft: str) -> Any:
+        return self.worker.draft if draft == DRAFT_MODEL else draft
+
+    async def run(self, request: Request, plan: Plan) -> Response:
+        """Queue the job, wait for it to start, answer (JSON or an SSE stream)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event: Any) -> None:  # called on the worker thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed: nobody is listening
+                pass
+
+        job = Job(plan.prompt, self.job_draft(plan.draft), plan.options, deliver, plan.logprobs)
+        try:
+            self.worker.submit(job)
+        except QueueFull as err:
+            raise APIError(503, f"{err}: {self.worker.waiting} requests are waiting (--max-queue)",
+                           code="server_busy", kind="server_error",
+                           headers={"Retry-After": str(err.retry_after)}) from None
+        try:
+            first = await _next(events, request, job)
+        except _ClientGone:
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            raise _failure(first.error)
+        if isinstance(first, Done):  # cancelled before it started (shutdown)
+            raise APIError(503, "the server is shutting down", code="shutting_down",
+                           kind="server_error")
+        assert isinstance(first, Started)
+        if plan.stream:
+            return EventSourceResponse(self._stream(events, job, plan))
+        return await self._collect(events, request, job, plan)
+
+    async def _collect(self, events: asyncio.Queue, request: Request, job: Job,
+                       plan: Plan) -> Response:
+        pieces: list[Piece] = []
+        while True:
+            try:
+                event = await _next(events, request, job)
+            except _ClientGone:
+                return Response(status_code=499)
+            if isinstance(event, Piece):
+                pieces.append(event)
+            elif isinstance(event, Failed):
+                raise _failure(event.error)
+            else:
+                return JSONResponse(self._whole(plan, pieces, event))
+
+    def _whole(self, plan: Plan, pieces: list[Piece], done: Done) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        finish = pieces[-1].finish_reason if pieces else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
+                                  "tinydraft": oa.draft_marks(pieces)}
+        if plan.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            if plan.logprobs is not None:
+                choice["logprobs"] = oa.chat_logprobs(self.tokenizer, pieces)
+        else:
+            choice["text"] = text
+            if plan.logprobs is not None:
+                choice["logprobs"] = oa.completion_logprobs(self.tokenizer, pieces, 0)
+        return {
+            "id": oa.new_id("chatcmpl" if plan.chat else "cmpl"),
+            "object": "chat.completion" if plan.chat else "text_completion",
+            "created": oa.now(),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": oa.usage(done.stats, len(plan.prompt), len(pieces), plan.draft),
+        }
+
+    async def _stream(self, events: asyncio.Queue, job: Job,
+                      plan: Plan) -> AsyncIterator[bytes]:
+        """SSE chunks, one per token; the usage chunk when asked; `[DONE]`. However it ends
+        (including the client hanging up, which cancels this iterator), the job is cancelled,
+        which stops a generation still running before its next token."""
+        cid, created = oa.new_id("chatcmpl" if plan.chat else "cmpl"), oa.now()
+        kind = "chat.completion.chunk" if plan.chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            body = {"id": cid, "object": kind, "created": created, "model": self.model_name,
+                    "choices": choices, **extra}
+            return format_sse_event(data_str=json.dumps(body))
+
+        count, offset = 0, 0
+        try:
+            if plan.chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None, "logprobs": None}])
+            while True:
+                event = await events.get()
+                if isinstance(event, Piece):
+                    count += 1
+                    yield chunk([self._chunk_choice(plan, event, offset)])
+                    offset += len(event.text)
+                elif isinstance(event, Failed):
+                    err = _failure(event.error)
+                    yield format_sse_event(data_str=json.dumps(error_body(
+                        err.message, param=err.param, code=err.code, kind=err.kind)))
+                    break
+                elif isinstance(event, Done):
+                    if plan.include_usage:
+                        yield chunk([], usage=oa.usage(event.stats, len(plan.prompt), count,
+                                                       plan.draft))
+                    break
+            yield format_sse_event(data_str="[DONE]")
+        finally:
+            job.cancelled.set()
+
+    def _chunk_choice(self, plan: Plan, piece: Piece, offset: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": piece.finish_reason,
+                                  "logprobs": None, "tinydraft": oa.draft_marks([piece])}
+        if plan.chat:
+            choice["delta"] = {"content": piece.text}
+            if plan.logprobs is not None:
+                choice["logprobs"] = oa.chat_logprobs(self.tokenizer, [piece])
+        else:
+            choice["text"] = piece.text
+            if plan.logprobs is not None:
+                choice["logprobs"] = oa.completion_logprobs(self.tokenizer, [piece], offset)
+        return choice
+
+    def health(self) -> dict[str, Any]:
+        w = self.worker
+        entries, nbytes = w.cache_info
+        return {"status": "ok", "model": self.model_name, "draft": self.defaults.draft,
+                "running": w.running, "waiting": w.waiting, "requests": dict(w.counts),
+                "prompt_cache": {"entries": entries, "bytes": nbytes,
+                                 "max_bytes": w.pool.max_bytes}}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _next(events: asyncio.Queue, request: Request, job: Job) -> Any:
+    """The job's next event; while none comes, check every POLL_SECONDS that the client is still
+    there, and cancel the job (raise _ClientGone) when it is not."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled.set()
+                raise _ClientGone from None
+
+
+def _failure(error: Exception) -> APIError:
+    """A job's error as an API error: invalid options are the client's (400), anything else is
+    ours (500, logged)."""
+    if isinstance(error, ParameterError):
+        return _parameter_error(error)
+    if isinstance(error, ValueError):
+        return _bad(None, str(error))
+    log.error("generation failed", exc_info=error)
+    return APIError(500, f"generation failed: {type(error).__name__}: {error}",
+                    kind="server_error", code="generation_failed")
+
+
+def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> None:
+    """Fields whose meaning this server cannot honour: an error, never silently dropped."""
+    if chat:
+        if req.tools:
+            raise _bad("tools", "tool calling is not supported")
+        if req.tool_choice not in (None, "none"):
+            raise _bad("tool_choice", "tool calling is not supported")
+        kind = (req.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise _bad("response_format", f'only {{"type": "text"}} is supported (got {kind!r})')
+        return
+    if req.echo:
+        raise _bad("echo", "echo is not supported")
+    if req.suffix:
+        raise _bad("suffix", "suffix (insertion) is not supported")
+    if req.best_of not in (None, 1):
+        raise _bad("best_of", f"best_of must be 1 (got {req.best_of!r})")
+
+
+def _vocab_size(model: nn.Module) -> int:
+    from .speculative import vocab_width
+
+    return vocab_width(model)
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+
+def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None, *,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `worker`'s models as `model_name`. The worker thread starts with
+    the app and stops (waiting jobs cancelled) when it shuts down."""
+    service = Service(worker, model_name, defaults or Defaults())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="tinydraft-mlx", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return _validation_error(err).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(
+            err.status_code)
+        return APIError(err.status_code, str(err.detail), code=code, kind=kind,
+                        headers=getattr(err, "headers", None)).response()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(resources.files("tinydraft_mlx").joinpath(
+            "static/index.html").read_text(encoding="utf-8"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return service.health()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": oa.now(), "owned_by": "tinydraft-mlx"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await service.run(request, service.plan(body, chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await service.run(request, service.plan(body, chat=True))
+
+    return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 with OpenAI's error body, whether
+    its Content-Length says so up front or a chunked body grows past it while being read."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> StarletteHTTPException:
+        return StarletteHTTPException(413, f"the request body is larger than {self.max_bytes} "
+                                           "bytes")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            err = self._too_large()
+            return await APIError(413, err.detail, code="request_too_large").response()(
+                scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _validation_error(err: RequestValidationError) -> APIError:
+    """pydantic's first complaint as one sentence naming the field and the value."""
+    first = err.errors()[0]
+    if first.get("type") == "json_invalid":
+        return _bad(None, f"the request body is not valid JSON: {first.get('msg')}",
+                    code="invalid_json")
+    param = ""  # e.g. messages[0].role
+    for part in first.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body":
+            param += f".{part}" if param else str(part)
+    param = param or None
+    value = first.get("input")
+    got = "" if first.get("type") == "missing" else f" (got {value!r})"
+    where = f"{param}: " if param else ""
+    return _bad(param, f"{where}{first.get('msg')}{got}")
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    """The server's flags: the CLI's model flags plus host, port, queue and cache sizes."""
+    p = argparse.ArgumentParser(prog="tinydraft-mlx-server",
+                                description="OpenAI-compatible server with exact speculative "
+                                            "decoding on MLX.")
+    p.add_argument("--target", "--model", default=None,
+                   help="target model: hub id or directory (default: the bundled demo target)")
+    p.add_argument("--draft", "--draft-model", default=None,
+                   help="draft model, 'prompt-lookup' or 'none' (default: as the CLI)")
+    p.add_argument("-k", "--num-draft-tokens", default="4", dest="k",
+                   help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' (4); "
+                        "requests may set num_draft_tokens")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="bound each KV cache to this many positions; prompts must be shorter")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="weight dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (8080)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
+                   help="bytes of KV caches kept for recent conversations (1 GiB)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests that may wait for the model; beyond, 503 (32)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="default max_tokens of a request (512)")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="default temperature of a request (0 = greedy, as mlx_lm.server)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (text or a file) for a tokenizer without one")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: --target, or 'tinydraft-demo')")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    k = args.k if args.k == "auto" else (int(args.k) if args.k.lstrip("-").isdigit() else args.k)
+    args.k = k
+    try:
+        check_k(k)
+        check_int("--port", args.port, 0, 65535)
+        check_int("--max-queue", args.max_queue, 1)
+        check_int("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
+        check_int("--max-tokens", args.max_tokens, 1)
+        if args.max_kv_size is not None:
+            check_int("--max-kv-size", args.max_kv_size, KEEP + 2)
+        SamplingParams(args.temp, 1.0, 0, 0.0, None)
+    except ParameterError as err:
+        name = {"k": "--num-draft-tokens", "temperature": "--temp"}.get(err.name, err.name)
+        _fail(parser, f"{name} must be {err.allowed} (got {err.value!r})")
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """Load the models named by the flags and make the app (ModelLoadError, ValueError)."""
+    from pathlib import Path
+
+    from .loading import load_models
+
+    target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype)
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        tokenizer.chat_template = (path.read_text() if path.is_file()
+                                   else args.chat_template)
+    model = draft if isinstance(draft, nn.Module) else None
+    default_draft = DRAFT_MODEL if model is not None else (
+        PROMPT_LOOKUP if draft is not None else NO_DRAFT)
+    worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
+                    cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue)
+    name = args.model_name or args.target or "tinydraft-demo"
+    defaults = Defaults(k=args.k, draft=default_draft, max_tokens=args.max_tokens,
+                        temperature=args.temp)
+    return create_app(worker, name, defaults)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until Ctrl-C / SIGTERM (in-flight requests finish; exit status 0)."""
+    import uvicorn
+
+    from .loading import ModelLoadError
+
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    _check_flags(parser, args)
+    try:
+        app = build_app(args)
+    except (ModelLoadError, ValueError) as err:
+        _fail(parser, str(err))
+    service: Service = app.state.service
+    print(f"tinydraft-mlx server: {service.model_name} (draft: {service.defaults.draft}, "
+          f"k={service.defaults.k}) on http://{args.host}:{args.port}", file=sys.stderr,
+          flush=True)
+    # uvicorn handles SIGINT/SIGTERM (stop accepting, let in-flight requests finish, shut the
+    # worker down) and then re-raises the signal to the handler it found: a no-op one, so that a
+    # clean stop exits with status 0 rather than dying by the signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

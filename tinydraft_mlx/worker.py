@@ -1,0 +1,198 @@
+"""One model, one generation at a time: a bounded FIFO of jobs and the thread that runs them.
+
+MLX evaluates one stream at a time, so a server runs its generations one after another on a
+single thread, off the event loop (which keeps serving `/health` and accepting connections). A job
+is a prompt (token ids), the `stream_generate` options and a `deliver` callback; the thread sends
+it a `Started`, then a `Piece` per token, then `Done` (or `Failed`, whose error says what went
+wrong: an invalid option is a `ParameterError`). Setting `job.cancelled` (a client hung up) stops
+the generation before its next token, i.e. within one round; the loop is closed, so the caches
+keep exactly prompt + the tokens emitted and go back to the prompt-cache pool.
+
+Knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .api import stream_generate
+from .cache_pool import PromptCachePool
+from .prompt_cache import PromptCache
+from .stats import GenerationStats
+from .text import GenerationResponse
+
+
+@dataclass
+class Started:
+    """The options were valid and generation has begun."""
+
+
+@dataclass
+class Piece:
+    """One generated token in plain Python values. logprob: the target's log-probability of
+    `token`; top_logprobs: the n most likely (token id, log-probability), most likely first; both
+    None unless the job asked for logprobs."""
+
+    text: str
+    token: int
+    from_draft: bool
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Done:
+    """The generation ended: finished, or cancelled (`cancelled`, stats of what ran; None when it
+    never started)."""
+
+    stats: GenerationStats | None
+    cancelled: bool = False
+
+
+@dataclass
+class Failed:
+    """The job failed: a `ParameterError`/`ValueError` for invalid options, anything else is a
+    server error."""
+
+    error: Exception
+
+
+Event = Started | Piece | Done | Failed
+
+
+@dataclass
+class Job:
+    """A generation request. prompt: token ids; draft: as `stream_generate` takes it; options:
+    `stream_generate`'s other keyword arguments; logprobs: None, or how many top alternatives to
+    report with each token's log-probability (0 = only the token's)."""
+
+    prompt: list[int]
+    draft: Any
+    options: dict[str, Any]
+    deliver: Callable[[Event], None]
+    logprobs: int | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class QueueFull(Exception):
+    """The queue of waiting jobs is full; `retry_after` estimates when to try again (seconds)."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is busy; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Worker:
+    """The generation thread, its bounded queue (`max_queue` waiting jobs) and its prompt-cache
+    pool (`cache_bytes`; caches bounded by `max_kv_size` when given)."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module | None, tokenizer: Any, *,
+                 max_kv_size: int | None = None, cache_bytes: int = 1 << 30,
+                 max_queue: int = 32) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be an integer >= 1 (got {max_queue!r})")
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.max_kv_size = max_kv_size
+        self.pool = PromptCachePool(
+            lambda: PromptCache(target, draft, max_kv_size=max_kv_size), cache_bytes)
+        self.counts: Counter[str] = Counter()  # completed, cancelled, failed
+        self.running = False
+        self.cache_info = (0, 0)  # (caches, bytes) in the pool after the latest job
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._seconds = 1.0  # running mean of a job's duration, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="tinydraft-generation",
+                                        daemon=True)
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` (FIFO); QueueFull when `max_queue` jobs are already waiting."""
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            wait = self._seconds * (self._queue.qsize() + 1)
+            raise QueueFull(max(1, round(wait))) from None
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Cancel the waiting jobs, let the running one see its cancel flag, end the thread."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.deliver(Done(None, cancelled=True))
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            start = time.perf_counter()
+            self.running = True
+            try:
+                self.counts[self._generate(job)] += 1
+            finally:
+                self.running = False
+                self.cache_info = (len(self.pool), self.pool.nbytes)
+            self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - start)
+
+    def _generate(self, job: Job) -> str:
+        """Run one job; returns how it ended: "completed", "cancelled" or "failed"."""
+        if job.cancelled.is_set():  # its client left while it waited
+            job.deliver(Done(None, cancelled=True))
+            return "cancelled"
+        pc = self.pool.take(job.prompt)
+        stream = None
+        try:
+            stream = stream_generate(self.target, job.draft, self.tokenizer, job.prompt,
+                                     prompt_cache=pc, **job.options)
+            job.deliver(Started())
+            stats = None
+            for response in stream:
+                stats = response.stats
+                job.deliver(_piece(response, job.logprobs))
+                if job.cancelled.is_set() and response.finish_reason is None:
+                    stream.close()
+                    job.deliver(Done(stats, cancelled=True))
+                    return "cancelled"
+            job.deliver(Done(stats))
+            return "completed"
+        except Exception as err:  # reported to the client; the server keeps running
+            job.deliver(Failed(err))
+            return "failed"
+        finally:
+            if stream is not None:
+                stream.close()  # rolls the caches back to prompt + emitted
+            self.pool.put(pc)
+
+
+def _piece(response: GenerationResponse, logprobs: int | None) -> Piece:
+    piece = Piece(response.text, response.token, response.from_draft, response.finish_reason)
+    if logprobs is not None and response.logprobs is not None:
+        row = response.logprobs.astype(mx.float32)  # (vocab,)
+        piece.logprob = row[response.token].item()
+        if logprobs > 0:
+            top = mx.argpartition(-row, kth=logprobs - 1)[:logprobs]
+            values = row[top].tolist()
+            piece.top_logprobs = sorted(zip(top.tolist(), values), key=lambda p: -p[1])
+    return piece
