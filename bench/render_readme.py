@@ -193,6 +193,33 @@ def prompt_cache(r: dict) -> list[str]:
     ]
 
 
+def server(r: dict) -> list[str]:
+    s = r["settings"]
+    pair = "demo pair" if s["target"] is None else Path(s["target"]).name
+    ours, theirs = "tinydraft-mlx", "mlx_lm.server"
+    lines = [
+        f"**Through HTTP: our server vs `mlx_lm.server --draft-model`** (`python bench/server.py`;"
+        f" {pair}, {s['dtype']} for both, k={s['k']}, {s['max_tokens']} tokens per request, "
+        f"{s['requests']} streaming requests per client, {r['machine']['device']}, BLAS: "
+        f"{r['machine']['blas']}; [json](results/{s['name']}.json), "
+        f"[plot](results/{s['name']}.png))",
+        "",
+        "| T | clients | TTFT, median (ours / mlx-lm) | throughput tok/s (ours / mlx-lm) | "
+        "ratio | equal to plain greedy (ours / mlx-lm) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in r["cells"]:
+        a, b = c[ours], c[theirs]
+        equal = (f"{a['equal_to_plain_greedy']:.0%} / {b['equal_to_plain_greedy']:.0%}"
+                 if "equal_to_plain_greedy" in a else "(sampled)")
+        lines.append(
+            f"| {c['temperature']:g} | {c['clients']} | {a['ttft_median_s'] * 1e3:.0f} / "
+            f"{b['ttft_median_s'] * 1e3:.0f} ms | {a['throughput_tps']:.0f} / "
+            f"{b['throughput_tps']:.0f} | {a['throughput_tps'] / b['throughput_tps']:.2f}x | "
+            f"{equal} |")
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -214,6 +241,7 @@ def main() -> None:
         ("adaptive", adaptive),
         ("bounded_memory", bounded_memory),
         ("row_consistency", row_consistency),
+        ("server", server),
     ]:
         data = _load(name)
         if data is not None:

@@ -163,12 +163,16 @@ def test_token_id_prompt(served, models):
 
 
 def test_streamed_completion(served, models):
-    text, ids = reference(models, "import os\n", 48)
+    """Streamed chunks, one per token; the prompt ends with a space and the first generated token
+    starts with one: the text keeps it (prompt + text is the decoded sequence)."""
+    tokenizer = models[2]
+    text, ids = reference(models, "if __name__ == ", 48)
     chunks = list(served.client().completions.create(
-        model="demo", prompt="import os\n", max_tokens=48, stream=True,
+        model="demo", prompt="if __name__ == ", max_tokens=48, stream=True,
         stream_options={"include_usage": True}))
     pieces = [c for c in chunks if c.choices]
-    assert "".join(c.choices[0].text for c in pieces) == text
+    assert "".join(c.choices[0].text for c in pieces) == text == tokenizer.decode(ids)
+    assert text.startswith(" ")
     assert [t for c in pieces for t in marks(c.choices[0])["token_ids"]] == ids
     assert pieces[-1].choices[0].finish_reason is not None
     assert all(c.choices[0].finish_reason is None for c in pieces[:-1])

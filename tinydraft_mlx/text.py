@@ -151,17 +151,22 @@ def responses(
     """
     detok = tokenizer.detokenizer
     stop = StopStrings(stops)
-    n = 0
+    n, ids, started = 0, [], False
     try:
         for token in steps:
             n += 1
             stats = token.stats
             if token.id not in eos_ids:
                 detok.add_token(token.id)
+                ids.append(token.id)
             finish = {"eos": "stop", "length": "length"}.get(token.finish_reason)
             if finish is not None:
                 detok.finalize()
-            text, stopped = stop.feed(detok.last_segment)
+            segment = detok.last_segment
+            if segment and not started:
+                started = True
+                segment = _leading_space(tokenizer, ids, segment)
+            text, stopped = stop.feed(segment)
             if stopped:
                 finish = stats.finish_reason = "stop"
             elif finish is not None:
@@ -171,6 +176,17 @@ def responses(
                 return
     finally:
         steps.close()
+
+
+def _leading_space(tokenizer: Any, ids: list[int], segment: str) -> str:
+    """The first text segment with the leading space the tokenizer's `decode` gives it: mlx-lm's
+    BPE streaming detokenizer drops the first token's leading space (as SentencePiece decoding
+    does), so a completion of "if x ==" would lose the space before its first word, and prompt +
+    text would not be the decoded sequence. Checked once per generation."""
+    if segment.startswith(" "):
+        return segment
+    decoded = tokenizer.decode(ids)
+    return " " + segment if decoded.startswith(" " + segment) else segment
 
 
 def _response(token: Token, text: str, n: int, finish: str | None) -> GenerationResponse:
