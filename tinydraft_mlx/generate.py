@@ -18,6 +18,7 @@ from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
 from .prompt_cache import PromptCache, PromptCacheError, cache_file
+from .pruning import VocabError
 from .sampling import ParameterError, SamplingParams, check_int
 from .speculative import PREFILL_STEP
 from .text import chat_ids, check_stop
@@ -34,6 +35,7 @@ FLAGS = {
     "prompt": "--prompt",
     "max_kv_size": "--max-kv-size",
     "stop": "--stop",
+    "draft_vocab": "--draft-vocab",
 }
 
 
@@ -66,6 +68,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="weight dtype (default: float32 on the CPU, the checkpoint's own "
                         "dtype on a GPU, e.g. bfloat16 for Qwen2.5)")
+    p.add_argument("--draft-vocab", default=None, metavar="N",
+                   help="keep only the draft's N most frequent tokens in its LM head (cheaper "
+                        "draft steps; output unchanged), by --draft-vocab-counts")
+    p.add_argument("--draft-vocab-counts", default=None, metavar="FILE",
+                   help="token counts for --draft-vocab (python -m tinydraft_mlx.vocab; default: "
+                        "the demo pair's)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--stop", action="append", default=None,
                    help="stop at this string (not printed); repeat for several")
@@ -97,7 +105,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
     """Convert and validate every value before loading a model: a wrong flag costs nothing.
     Numbers arrive as strings so that a non-number gets the same one-line message as a bad range."""
     for name, kind in [("k", int), ("max_tokens", int), ("temp", float), ("top_p", float),
-                       ("top_k", int), ("min_p", float), ("seed", int), ("max_kv_size", int)]:
+                       ("top_k", int), ("min_p", float), ("seed", int), ("max_kv_size", int),
+                       ("draft_vocab", int)]:
         setattr(args, name, _number(getattr(args, name), kind))
     try:
         sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
@@ -158,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if not text:
         _fail(parser, "--prompt must be non-empty (got an empty prompt)")
     try:
-        target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype)
+        target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype,
+                                               draft_vocab=args.draft_vocab,
+                                               draft_vocab_counts=args.draft_vocab_counts)
         prompt_cache = _load_prompt_cache(args.prompt_cache_file, target, draft, args.max_kv_size)
         steps = stream_generate(
             target, draft, tokenizer, _prompt(tokenizer, text, args.chat), k=args.k,
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ParameterError as err:
         _fail(parser, _flag_message(err))
-    except (ModelLoadError, PromptCacheError, ValueError) as err:
+    except (ModelLoadError, PromptCacheError, VocabError, ValueError) as err:
         _fail(parser, str(err))
     if args.verbose:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT

@@ -20,6 +20,7 @@ from mlx_lm import load as mlx_lm_load
 from . import skinny
 from .backend import resolve_dtype, warn_if_slow_blas
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from .pruning import prune_draft
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
@@ -140,6 +141,8 @@ def load_models(
     draft: str | Path | None = None,
     *,
     dtype: str | mx.Dtype | None = None,
+    draft_vocab: int | None = None,
+    draft_vocab_counts: str | Path | None = None,
 ) -> tuple[nn.Module, nn.Module | PromptLookup | None, Any]:
     """Load (target, draft, tokenizer).
 
@@ -148,6 +151,11 @@ def load_models(
     "prompt-lookup" returns a `PromptLookup` drafter (no model).
     dtype: "float32", "float16", "bfloat16" or an mx.Dtype; default float32 on the CPU backend and
     the checkpoint's own dtype on a GPU (as mlx-lm: bfloat16 for Qwen2.5).
+
+    draft_vocab: keep only the N most frequent tokens in the draft's LM head (a `PrunedDraft`:
+    cheaper draft steps, the output still exactly the target's; see `tinydraft_mlx.pruning`),
+    by the counts in `draft_vocab_counts` (`python -m tinydraft_mlx.vocab`; default: the counts
+    shipped for the demo pair's tokenizer).
 
     On the CPU backend both models' large projections take the skinny-matmul path (see
     `tinydraft_mlx.skinny`; `skinny.disable(model)` turns it off).
@@ -163,7 +171,10 @@ def load_models(
         draft = default_draft(str(target))
     target_model, tokenizer = load_model(target, dtype)
     skinny.enable(target_model)
-    return target_model, load_draft(draft, tokenizer, dtype=dtype), tokenizer
+    draft_model = load_draft(draft, tokenizer, dtype=dtype)
+    if draft_vocab is not None:
+        draft_model = prune_draft(draft_model, tokenizer, draft_vocab, draft_vocab_counts)
+    return target_model, draft_model, tokenizer
 
 
 def load_draft(

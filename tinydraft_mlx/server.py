@@ -565,6 +565,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-draft-tokens", default="4", dest="k",
                    help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' (4); "
                         "requests may set num_draft_tokens")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="keep only the draft's N most frequent tokens in its LM head")
+    p.add_argument("--draft-vocab-counts", default=None, metavar="FILE",
+                   help="token counts for --draft-vocab (default: the demo pair's)")
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="bound each KV cache to this many positions; prompts must be shorter")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -615,7 +619,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     from .loading import load_models
 
-    target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype)
+    target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype,
+                                           draft_vocab=args.draft_vocab,
+                                           draft_vocab_counts=args.draft_vocab_counts)
     if args.chat_template is not None:
         path = Path(args.chat_template)
         tokenizer.chat_template = (path.read_text() if path.is_file()
@@ -642,6 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_flags(parser, args)
     try:
         app = build_app(args)
+    except ParameterError as err:
+        name = {"draft_vocab": "--draft-vocab"}.get(err.name, err.name)
+        _fail(parser, f"{name} must be {err.allowed} (got {err.value!r})")
     except (ModelLoadError, ValueError) as err:
         _fail(parser, str(err))
     service: Service = app.state.service
