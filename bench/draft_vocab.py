@@ -122,14 +122,14 @@ def plot(report: dict, path: Path) -> None:
     ax = axes[0]
     ax.plot(x, [d["rows"][n]["step_ms"] for n in names], "o-", color="tab:green",
             label="draft step (ms)")
-    ax.set(xlabel="draft vocabulary N", ylabel="draft step (ms)", xscale="log",
+    ax.set(xlabel="draft vocabulary N", ylabel="draft step (ms)", xscale="log", ylim=(0, None),
            title=f"Demo pair (vocabulary {d['vocab']})")
     ax2 = ax.twinx()
     for label, style in (("greedy", "s--"), ("T=1", "^--")):
         ax2.plot(x, [d["rows"][n][label]["acceptance"] for n in names], style, color="tab:blue",
                  label=f"acceptance, {label}")
     ax2.set(ylabel="acceptance", ylim=(0, 1))
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     ax2.legend(loc="lower right", fontsize=8)
     s = report["shape_0.5B"]
     if s is not None:

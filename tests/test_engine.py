@@ -278,3 +278,29 @@ def test_ids_beyond_the_drafts_width(pair):
     assert spec == plain
     keys = np.array(dc[0].keys[..., : cache_length(dc), :])
     assert np.isfinite(keys).all()
+
+
+@pytest.mark.parametrize("end", ["length", "eos", "close"])
+def test_pipelined_plain_decoding_rolls_back_the_queued_step(pair, reference, end):
+    """Plain decoding queues step t+1 before reading token t (as mlx-lm's generate_step), so
+    when generation ends one step too many has run: the cache must still hold exactly the
+    emitted sequence but its last token, and resuming from it must continue exactly."""
+    target, _, _ = pair
+    ids, ref = reference
+    j = next(i for i in range(5, 20) if ref[i] not in ref[:i])
+    cache = make_cache(target)
+    steps = decode(target, None, ids, max_tokens=12 if end == "length" else 40,
+                   eos_token_ids={ref[j]} if end == "eos" else (), target_cache=cache)
+    got = []
+    for token in steps:
+        got.append(token.id)
+        if end == "close" and len(got) == 7:
+            break
+    steps.close()
+    assert got == ref[: {"length": 12, "eos": j + 1, "close": 7}[end]]
+    assert token.stats.finish_reason == {"length": "length", "eos": "eos", "close": "closed"}[end]
+    seq = ids + got
+    _assert_cache_holds(target, cache, seq[:-1])
+    rest = [t.id for t in decode(target, None, seq, max_tokens=40 - len(got),
+                                 target_cache=cache)]
+    assert got + rest == ref[:40]

@@ -273,6 +273,10 @@ def decode(
             stats.policy = policy
         eos = frozenset(eos_token_ids)
         try:
+            if draft is None:
+                yield from _plain(target, target_cache, seq, max_tokens, sampling, key, eos,
+                                  stats, stream, logits_processors)
+                return
             while stats.generated < max_tokens:
                 start = time.perf_counter()
                 # never draft more than can be emitted: a round emits up to k_round + 1 tokens
@@ -310,6 +314,75 @@ def decode(
         finally:
             stats.finish_reason = stats.finish_reason or "closed"
             _rollback_both(target_cache, draft_cache, len(seq) - 1)
+
+
+def _plain_step(
+    target: nn.Module,
+    cache: Cache,
+    token: mx.array,
+    history: mx.array | None,
+    sampling: SamplingParams,
+    key: mx.array | None,
+    processors: Sequence[Processor],
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Queue one plain step after `token` (1,): (next token (1,), this position's
+    log-probabilities (V,), the history including the next token). Nothing is evaluated."""
+    logits = target(token[None], cache=cache)[:, -1]  # (1, V)
+    if processors:
+        logits = _process(logits, history, [], processors)
+    logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (V,)
+    if sampling.greedy:
+        nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
+    else:
+        nxt = mx.random.categorical(mx.log(warp(logits, sampling)), key=key).astype(mx.int32)
+    return nxt, logprobs, (mx.concatenate([history, nxt]) if processors else None)
+
+
+def _plain(
+    target: nn.Module,
+    cache: Cache,
+    seq: list[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    key: mx.array,
+    eos: frozenset[int],
+    stats: GenerationStats,
+    stream: mx.Stream,
+    processors: Sequence[Processor],
+) -> Iterator[Token]:
+    """Plain decoding, pipelined as mlx-lm's `generate_step`: step t+1 is queued (its graph built
+    and evaluation started) before token t is read, so the host's work overlaps the device's. The
+    step queued past the last token is rolled back by the caller's `finally`, as any round's."""
+
+    def queue(token: mx.array, history: mx.array | None, key: mx.array) -> tuple:
+        step_key = None
+        if not sampling.greedy:
+            key, step_key = mx.random.split(key)
+        with mx.stream(stream):
+            step = _plain_step(target, cache, token, history, sampling, step_key, processors)
+        mx.async_eval(step[0])
+        return step, key
+
+    history = mx.array(seq, dtype=mx.int32) if processors else None
+    start = time.perf_counter()
+    (y, logprobs, history), key = queue(mx.array(seq[-1:], dtype=mx.int32), history, key)
+    while True:
+        following = None
+        if stats.generated + 1 < max_tokens:
+            following, key = queue(y, history, key)
+        token = y.item()
+        stats.record_round(0, 0)
+        stats.decode_seconds += time.perf_counter() - start
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        seq.append(token)
+        stats.generated += 1
+        finish = "eos" if token in eos else "length" if following is None else None
+        stats.finish_reason = finish
+        yield Token(token, False, stats, logprobs, finish)
+        if finish is not None:
+            return
+        start = time.perf_counter()  # the consumer's time between tokens is not decoding
+        y, logprobs, history = following
 
 
 def _propose(
