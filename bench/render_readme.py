@@ -193,6 +193,46 @@ def prompt_cache(r: dict) -> list[str]:
     ]
 
 
+def plain(r: dict) -> list[str]:
+    s, m = r["settings"], r["median_tokens_per_second"]
+    return [
+        f"**Plain decoding, ours vs mlx-lm's `generate_step`** (`python bench/plain.py "
+        f"--repeats {s['repeats']}`; demo target, {s['dtype']}, greedy, {s['prompts']} held-out "
+        f"prompts x {s['max_tokens']} tokens, same model object, order rotated; "
+        f"[json](results/plain.json), [plot](results/plain.png)): our token loop "
+        f"{m['ours']:.1f} tok/s, `generate_step` {m['mlx-lm']:.1f} tok/s "
+        f"(**{r['ratio']:.2f}x**), `stream_generate` with the text layer {m['ours + text']:.1f} "
+        f"tok/s; same tokens: {r['same_tokens']}.",
+    ]
+
+
+def draft_vocab(r: dict) -> list[str]:
+    d, s = r["demo"], r["settings"]
+    full = d["rows"]["full"]
+    lines = [
+        f"**Draft-vocabulary pruning** (`python bench/draft_vocab.py`; {d['dtype']}, k={s['k']}, "
+        f"{s['prompts']} held-out prompts x {s['max_tokens']} tokens; "
+        "[json](results/draft_vocab.json), [plot](results/draft_vocab.png))",
+        "",
+        "| model | N | draft step | vs full head | acceptance greedy / T=1 | tok/s greedy | "
+        "greedy output = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for n, row in d["rows"].items():
+        lines.append(
+            f"| demo pair (vocabulary {d['vocab']}) | {n} | {row['step_ms']:.2f} ms | "
+            f"{row['step_ms'] / full['step_ms']:.2f}x | {row['greedy']['acceptance']:.2f} / "
+            f"{row['T=1']['acceptance']:.2f} | {row['greedy']['tokens_per_second']:.0f} | "
+            f"{row['greedy']['equal_to_plain']:.0%} |")
+    shape = r.get("shape_0.5B")
+    if shape:
+        base = shape["rows"]["full"]["step_ms"]
+        for n, row in shape["rows"].items():
+            lines.append(f"| Qwen2.5-0.5B shape (vocabulary {shape['vocab']}) | {n} | "
+                         f"{row['step_ms']:.1f} ms | {row['step_ms'] / base:.2f}x | - | - | - |")
+    return lines
+
+
 def server(r: dict) -> list[str]:
     s = r["settings"]
     pair = "demo pair" if s["target"] is None else Path(s["target"]).name
@@ -241,6 +281,8 @@ def main() -> None:
         ("adaptive", adaptive),
         ("bounded_memory", bounded_memory),
         ("row_consistency", row_consistency),
+        ("plain", plain),
+        ("draft_vocab", draft_vocab),
         ("server", server),
     ]:
         data = _load(name)
