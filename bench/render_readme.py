@@ -233,6 +233,32 @@ def draft_vocab(r: dict) -> list[str]:
     return lines
 
 
+def distributed(r: dict) -> list[str]:
+    lines = [
+        "**Target tensor-parallel on 2 local ranks vs one process** (`python bench/distributed.py`;"
+        f" ring backend on 127.0.0.1, one BLAS thread per rank, {r['machine']['device']}; two "
+        "ranks share this machine's 2 cores: ratios only; [json](results/distributed.json), "
+        "[plot](results/distributed.png))",
+        "",
+        "| pair | run | t_1 | t_v(2) / t_v(5) | t_d | all-reduces in t_v(5) | plain tok/s | "
+        "k=3 tok/s (vs plain) | predicted best at alpha 0.5 / 0.7 / 0.9 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in r["rows"]:
+        for run in ("one process", "2 ranks"):
+            m = row[run]
+            share = m.get("comm_share", {}).get("5")
+            speed = (f"{m['plain tok/s']:.0f} | {m['k=3 tok/s']:.0f} "
+                     f"({m['k=3 tok/s'] / m['plain tok/s']:.2f}x)"
+                     if "plain tok/s" in m else "- | -")
+            pred = " / ".join(f"{v:.2f}x" for v in row["predicted"][run].values())
+            lines.append(
+                f"| {row['pair']} | {run} | {m['t_1']:.1f} ms | {m['t_v']['2']:.1f} / "
+                f"{m['t_v']['5']:.1f} ms | {m['t_d']:.1f} ms | "
+                f"{'-' if share is None else f'{share:.0%}'} | {speed} | {pred} |")
+    return lines
+
+
 def server(r: dict) -> list[str]:
     s = r["settings"]
     pair = "demo pair" if s["target"] is None else Path(s["target"]).name
@@ -283,6 +309,7 @@ def main() -> None:
         ("row_consistency", row_consistency),
         ("plain", plain),
         ("draft_vocab", draft_vocab),
+        ("distributed", distributed),
         ("server", server),
     ]:
         data = _load(name)

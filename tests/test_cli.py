@@ -139,8 +139,8 @@ def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
         def close(self):
             self.steps.close()
 
-    def interrupted(steps):
-        return real(Interrupting(steps))
+    def interrupted(steps, quiet=False):
+        return real(Interrupting(steps), quiet)
 
     monkeypatch.setattr(cli, "_stream_text", interrupted)
     code = cli.main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),

@@ -16,6 +16,7 @@ from typing import NoReturn
 from . import api
 from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
+from .distributed import DesyncError, ranks_of
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
 from .prompt_cache import PromptCache, PromptCacheError, cache_file
 from .pruning import VocabError
@@ -80,6 +81,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-file", default=None, metavar="PATH",
                    help="reuse the prompt's KV caches from PATH when it exists (made with the "
                         "same models), and save them there after the run")
+    p.add_argument("--distributed", action="store_true",
+                   help="run as one rank of mlx.launch: the target tensor-parallel over the "
+                        "ranks, the draft on each; only rank 0 prints")
     p.add_argument("--verbose", action="store_true", help="print the models and settings used")
     return p
 
@@ -108,6 +112,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
                        ("top_k", int), ("min_p", float), ("seed", int), ("max_kv_size", int),
                        ("draft_vocab", int)]:
         setattr(args, name, _number(getattr(args, name), kind))
+    if args.distributed and args.prompt_cache_file is not None:
+        _fail(parser, "--prompt-cache-file cannot be used with --distributed (each rank holds "
+                      "only its shard of the target's cache)")
     try:
         sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
         check_k(args.k)
@@ -169,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype,
                                                draft_vocab=args.draft_vocab,
-                                               draft_vocab_counts=args.draft_vocab_counts)
+                                               draft_vocab_counts=args.draft_vocab_counts,
+                                               distributed=args.distributed)
         prompt_cache = _load_prompt_cache(args.prompt_cache_file, target, draft, args.max_kv_size)
         steps = stream_generate(
             target, draft, tokenizer, _prompt(tokenizer, text, args.chat), k=args.k,
@@ -182,31 +190,41 @@ def main(argv: list[str] | None = None) -> int:
         _fail(parser, _flag_message(err))
     except (ModelLoadError, PromptCacheError, VocabError, ValueError) as err:
         _fail(parser, str(err))
-    if args.verbose:
+    ranks = ranks_of(target)
+    quiet = ranks is not None and ranks.rank != 0  # only rank 0 prints
+    if args.verbose and not quiet:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT
+        where = f"; {ranks.size} ranks" if ranks is not None else ""
         print(f"target: {args.target or 'bundled demo target'}; draft: {draft_name}; "
-              f"k={args.k}; {sampling}; {device_name()} backend, BLAS: {active_blas()}",
+              f"k={args.k}; {sampling}; {device_name()} backend, BLAS: {active_blas()}{where}",
               file=sys.stderr)
-    code = _stream_text(steps)
+    try:
+        code = _stream_text(steps, quiet)
+    except DesyncError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
     if prompt_cache is not None:
         prompt_cache.save(args.prompt_cache_file)
     return code
 
 
-def _stream_text(steps) -> int:
-    """Print text as tokens are accepted, then the stats line on stderr. Ctrl-C stops cleanly
-    (the generator is closed, so its caches are rolled back) with status 130."""
+def _stream_text(steps, quiet: bool = False) -> int:
+    """Print text as tokens are accepted, then the stats line on stderr (nothing when `quiet`:
+    the other ranks of a distributed run). Ctrl-C stops cleanly (the generator is closed, so its
+    caches are rolled back) with status 130."""
     stats, code = None, 0
     try:
         for response in steps:
             stats = response.stats
-            print(response.text, end="", flush=True)
+            if not quiet:
+                print(response.text, end="", flush=True)
     except KeyboardInterrupt:
         steps.close()
         code = 130
-    print(flush=True)
-    if stats is not None:
-        print(stats.summary(), file=sys.stderr)
+    if not quiet:
+        print(flush=True)
+        if stats is not None:
+            print(stats.summary(), file=sys.stderr)
     return code
 
 

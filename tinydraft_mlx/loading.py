@@ -19,6 +19,7 @@ from mlx_lm import load as mlx_lm_load
 
 from . import skinny
 from .backend import resolve_dtype, warn_if_slow_blas
+from .distributed import join
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from .pruning import prune_draft
 
@@ -70,11 +71,14 @@ def _rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def load_model(name: str | Path, dtype: str | mx.Dtype | None = None) -> tuple[nn.Module, Any]:
+def load_model(name: str | Path, dtype: str | mx.Dtype | None = None,
+               group: mx.distributed.Group | None = None) -> tuple[nn.Module, Any]:
     """Load one checkpoint through mlx-lm: (model, tokenizer), floating-point weights cast to
     `dtype` (None: float32 on the CPU, the checkpoint's own dtype on a GPU; quantized weights stay
     quantized). Loading is lazy and the cast happens before the weights are materialised, so a
-    cast never holds two copies of the weights."""
+    cast never holds two copies of the weights. With `group`, the model is sharded over it
+    (mlx-lm's `model.shard(group)`, tensor parallel) before anything is materialised, so each
+    rank reads and keeps only its shard (as mlx-lm's `sharded_load`)."""
     dt = resolve_dtype(dtype)
     path = resolve_model_path(name)
     config_file = path / "config.json"
@@ -85,6 +89,11 @@ def load_model(name: str | Path, dtype: str | mx.Dtype | None = None) -> tuple[n
         model, tokenizer = mlx_lm_load(str(path), model_config=_rope_overrides(config), lazy=True)
     except (FileNotFoundError, ValueError) as err:
         raise ModelLoadError(f"could not load {str(name)!r}: {err}") from None
+    if group is not None:
+        if not hasattr(model, "shard"):
+            raise ModelLoadError(f"{str(name)!r}: mlx-lm cannot shard a {type(model).__name__} "
+                                 "(no tensor-parallel support for this architecture)")
+        model.shard(group)
     if dt is not None:
         model.set_dtype(dt)
     for _, weight in tree_flatten(model.parameters()):
@@ -143,6 +152,7 @@ def load_models(
     dtype: str | mx.Dtype | None = None,
     draft_vocab: int | None = None,
     draft_vocab_counts: str | Path | None = None,
+    distributed: bool = False,
 ) -> tuple[nn.Module, nn.Module | PromptLookup | None, Any]:
     """Load (target, draft, tokenizer).
 
@@ -157,6 +167,10 @@ def load_models(
     by the counts in `draft_vocab_counts` (`python -m tinydraft_mlx.vocab`; default: the counts
     shipped for the demo pair's tokenizer).
 
+    distributed: join the group `mlx.launch` started and load the target tensor-parallel over
+    it (each rank materialises only its shard); the draft loads whole on every rank. Generation
+    then keeps the ranks in step by itself (see `tinydraft_mlx.distributed`).
+
     On the CPU backend both models' large projections take the skinny-matmul path (see
     `tinydraft_mlx.skinny`; `skinny.disable(model)` turns it off).
     """
@@ -169,7 +183,8 @@ def load_models(
         draft = draft if draft is not None else default_draft(None)
     elif draft is None:
         draft = default_draft(str(target))
-    target_model, tokenizer = load_model(target, dtype)
+    group = join().group if distributed else None
+    target_model, tokenizer = load_model(target, dtype, group)
     skinny.enable(target_model)
     draft_model = load_draft(draft, tokenizer, dtype=dtype)
     if draft_vocab is not None:

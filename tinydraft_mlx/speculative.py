@@ -17,6 +17,7 @@ its own logits with the same history. The public API with text is in `api.py`.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from mlx_lm.generate import wired_limit
 
 from .backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
+from .distributed import ranks_of
 from .lookup import NgramIndex, PromptLookup, draft_model
 from .policy import AUTO, AUTO_MAX_K, shared_policy
 from .rejection import greedy_accept, speculative_accept
@@ -238,7 +240,11 @@ def decode(
                 f"{name} must hold at most len(prompt) - 1 = {len(prompt) - 1} tokens "
                 f"(got {cache_length(cache)})"
             )
-    seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
+    ranks = ranks_of(target)  # a tensor-parallel target: decisions are made once, on rank 0
+    seed = sampling.seed
+    if seed is None:
+        seed = random.SystemRandom().getrandbits(31 if ranks else 63)
+        seed = ranks.agree(seed) if ranks else seed
     key = mx.random.key(seed)
     policy = None
     k_cap = max_draft_length(draft, k)
@@ -282,6 +288,8 @@ def decode(
                 # never draft more than can be emitted: a round emits up to k_round + 1 tokens
                 limit = max_tokens - stats.generated - 1
                 k_round = min(k_cap, limit) if policy is None else policy.choose(limit)
+                if ranks is not None and policy is not None:  # chosen from local timings
+                    k_round = ranks.agree(k_round)
                 draft_key = verify_key = None  # greedy rounds use no randomness
                 if not sampling.greedy:
                     key, draft_key, verify_key = mx.random.split(key, 3)
@@ -314,6 +322,8 @@ def decode(
         finally:
             stats.finish_reason = stats.finish_reason or "closed"
             _rollback_both(target_cache, draft_cache, len(seq) - 1)
+            if ranks is not None and sys.exc_info()[0] in (None, GeneratorExit):
+                ranks.check_same(seq[len(prompt):])  # the ranks must have generated the same
 
 
 def _plain_step(

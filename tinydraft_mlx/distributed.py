@@ -1,0 +1,88 @@
+"""Beyond one machine: the target tensor-parallel over MLX's distributed backend (the group
+`mlx.launch` started), the draft whole on every rank.
+
+Each rank runs the same decode loop. The target's forward passes are collective (mlx-lm's
+`model.shard(group)` all-reduces inside every layer), so every rank must run exactly the same
+sequence of forward passes with exactly the same inputs, or the ranks hang or, worse, mix
+different sequences into one sum. Whatever is decided from local state is therefore decided once,
+on rank 0, and shared: the sampling seed when none is given, and `k="auto"`'s per-round choice
+(it comes from timings, which differ per rank). Everything else follows from identical tokens:
+the target's logits are identical on all ranks after the all-reduce, the draft and prompt lookup
+are deterministic, and EOS, stop strings and max_tokens are functions of the tokens. At the end
+of each generation the ranks compare a checksum of their tokens (one all-gather) and raise
+`DesyncError` on every rank if they differ.
+
+MLX's collectives have no timeout: a rank that stops answering is noticed only when its
+connection breaks (the ring backend then fails the pending collective and the process exits
+with an error); `mlx.launch` ends the other ranks when one exits with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class DesyncError(RuntimeError):
+    """The ranks generated different tokens: their per-round decisions diverged."""
+
+
+class Ranks:
+    """This process's place in a distributed group, and the few agreements the loop needs."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+
+    def __repr__(self) -> str:
+        return f"Ranks(rank={self.rank}, size={self.size})"
+
+    def agree(self, value: int) -> int:
+        """Rank 0's `value` on every rank (an all-reduce in which the other ranks add 0). Values
+        must fit in int32."""
+        mine = mx.array([value if self.rank == 0 else 0], dtype=mx.int32)
+        return int(mx.distributed.all_sum(mine, group=self.group, stream=mx.cpu).item())
+
+    def check_same(self, tokens: Sequence[int]) -> None:
+        """Compare a checksum of `tokens` across ranks (one all-gather); DesyncError on every
+        rank when any differs."""
+        digest = checksum(tokens)
+        mine = mx.array([digest, len(tokens)], dtype=mx.int32)[None]
+        everyone = mx.distributed.all_gather(mine, group=self.group, stream=mx.cpu).tolist()
+        if any(row != everyone[0] for row in everyone):
+            raise DesyncError(
+                f"the ranks generated different tokens (rank {self.rank}: checksum, length = "
+                f"{everyone[self.rank]}; all ranks: {everyone}): a per-round decision diverged")
+
+
+def checksum(tokens: Sequence[int]) -> int:
+    """A 31-bit polynomial hash of the token sequence (order matters)."""
+    h = 0
+    for t in tokens:
+        h = (h * 1_000_003 + int(t) + 1) % 2_147_483_647
+    return h
+
+
+def ranks_of(model: nn.Module) -> Ranks | None:
+    """The group a model is sharded over (mlx-lm's sharded linear layers hold it), or None for a
+    model on one process (a scan of its modules: well under a millisecond per generation)."""
+    for _, module in model.named_modules():
+        group = getattr(module, "group", None)
+        if isinstance(group, mx.distributed.Group) and group.size() > 1:
+            return Ranks(group)
+    return None
+
+
+def join() -> Ranks:
+    """Join the group `mlx.launch` started (ValueError when this process was not launched as one
+    of several ranks)."""
+    if not mx.distributed.is_available():
+        raise ValueError("--distributed: this MLX build has no distributed backend")
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ValueError("--distributed: this process is not one of several ranks; start it "
+                         "with mlx.launch (e.g. mlx.launch --backend ring --hosts 127.0.0.1 -n 2 "
+                         "-m tinydraft_mlx.generate --distributed ...)")
+    return Ranks(group)
