@@ -69,6 +69,25 @@ class _ExplicitWindow:
         return keys, values
 
 
+def check_first_two_tokens(run, n: int, exact: dict, wrong: dict) -> None:
+    """Sample the first two tokens `n` times (`run(seed)` -> (tokens, stats) of a k=2
+    generation) and assert: both the accept and the resample path occurred, the chi-square
+    against the exact joint is below the threshold, and against the wrong joint above it (the
+    samples can tell them apart)."""
+    from collections import Counter
+
+    counts, paths = Counter(), Counter()
+    for seed in range(n):
+        out, stats = run(seed)
+        counts[tuple(out[:2])] += 1
+        paths[stats.accepted] += 1
+    assert paths[0] > 0 and paths[1] + paths[2] > 0, paths
+    stat, df = chi2_statistic(counts, exact, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
+    assert wrong_stat > chi2_threshold(wrong_df), (wrong_stat, wrong_df)
+
+
 def windowed_logits(model, ids, window: int, keep: int = 4) -> np.ndarray:
     """(len(ids), V) float64 logits of one uncached pass in which each position attends to
     positions [0, keep) and the most recent window - keep positions, itself included: what a

@@ -5,13 +5,12 @@ the first two sampled tokens at T=1 against the oracle's exact distribution)."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tests.reference import check_first_two_tokens, warp_np
 from tinydraft_mlx import ParameterError, generate, load_models
 from tinydraft_mlx.pruning import (
     DEMO_COUNTS,
@@ -171,17 +170,9 @@ def test_first_two_sampled_tokens_follow_the_oracle_with_a_pruned_draft(pruned_p
     exact, wrong = joint(**warp_kw), joint(temperature=1.0)
     kept = set(draft.kept)
     assert sum(v for (a, _), v in exact.items() if a not in kept) > 0.01  # mass q never has
-    n = 2500
-    counts, paths = Counter(), Counter()
-    for seed in range(n):
-        out, stats = generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed, **warp_kw)
-        counts[tuple(out[:2])] += 1
-        paths[stats.accepted] += 1
-    assert paths[0] > 0 and paths[1] + paths[2] > 0, paths
-    stat, df = chi2_statistic(counts, exact, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    check_first_two_tokens(
+        lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed, **warp_kw),
+        2500, exact, wrong)
 
 
 def test_load_models_prunes_and_the_cli_flag(demo, capsys):

@@ -68,7 +68,8 @@ def checksum(tokens: Sequence[int]) -> int:
 def ranks_of(model: nn.Module) -> Ranks | None:
     """The group a model is sharded over (mlx-lm's sharded linear layers hold it), or None for a
     model on one process (a scan of its modules: well under a millisecond per generation)."""
-    for _, module in model.named_modules():
+    named = getattr(model, "named_modules", None)  # a plain callable model holds no group
+    for _, module in named() if named is not None else ():
         group = getattr(module, "group", None)
         if isinstance(group, mx.distributed.Group) and group.size() > 1:
             return Ranks(group)
