@@ -233,6 +233,26 @@ def draft_vocab(r: dict) -> list[str]:
     return lines
 
 
+def host_gap(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**Where a round goes** (`python bench/host_gap.py`; demo pair, {s['dtype']}, "
+        f"{s['prompts']} held-out prompts x {s['max_tokens']} tokens, timers around the loop's "
+        "`_propose` and `_verify`; [json](results/host_gap.json), [plot](results/host_gap.png)):"
+        " gap = between rounds, nothing queued (the device idles): bookkeeping, the policy, the "
+        "text layer",
+        "",
+        "| T | k | round | gap (host only) | propose (building the draft chain) | verify "
+        "(building + the sync) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in r["cells"]:
+        lines.append(f"| {c['temperature']:g} | {c['k']} | {c['round_ms']:.2f} ms | "
+                     f"{c['gap_fraction']:.1%} | {c['propose_fraction']:.1%} | "
+                     f"{c['verify_fraction']:.1%} |")
+    return lines
+
+
 def distributed(r: dict) -> list[str]:
     lines = [
         "**Target tensor-parallel on 2 local ranks vs one process** (`python bench/distributed.py`;"
@@ -308,6 +328,7 @@ def main() -> None:
         ("bounded_memory", bounded_memory),
         ("row_consistency", row_consistency),
         ("plain", plain),
+        ("host_gap", host_gap),
         ("draft_vocab", draft_vocab),
         ("distributed", distributed),
         ("server", server),

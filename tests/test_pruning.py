@@ -172,7 +172,7 @@ def test_first_two_sampled_tokens_follow_the_oracle_with_a_pruned_draft(pruned_p
     assert sum(v for (a, _), v in exact.items() if a not in kept) > 0.01  # mass q never has
     check_first_two_tokens(
         lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed, **warp_kw),
-        2500, exact, wrong)
+        1500, exact, wrong)
 
 
 def test_load_models_prunes_and_the_cli_flag(demo, capsys):
