@@ -1,4 +1,6 @@
-"""The draft/verify loop, and plain decoding through the same code (no draft, k = 0).
+"""The draft/verify loop, and plain decoding (no draft: `_plain`, pipelined as mlx-lm's
+`generate_step`, with the same statistics, caches and rollback; the plain rounds `k="auto"` chooses
+go through the round loop with k = 0).
 
 Knows nothing about text: token ids in, token ids out. Each round the draft proposes k tokens (its
 steps are queued with `mx.async_eval`, no host sync along the chain), the target scores
