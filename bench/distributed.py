@@ -42,7 +42,8 @@ def allreduce_ms(n: int, hidden: int, repeats: int = 30) -> float:
     ranks up, `repeats` back to back (each evaluated, as inside a forward), averaged; timing one
     alone would include the other rank's lateness."""
     x = mx.ones((1, n, hidden), dtype=mx.float32)
-    mx.eval(mx.distributed.all_sum(x))
+    for _ in range(5):  # the first all-reduces of a size pay a one-time cost (measured: 7-13 ms)
+        mx.eval(mx.distributed.all_sum(x))
     start = time.perf_counter()
     for _ in range(repeats):
         x = mx.distributed.all_sum(x) * 0.5
