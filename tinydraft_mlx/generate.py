@@ -88,8 +88,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _flag_message(err: ParameterError) -> str:
-    """The API's range error, naming the flag the user typed."""
+def flag_message(err: ParameterError) -> str:
+    """The API's range error, naming the flag the user typed (also the server's flags)."""
     return f"{FLAGS.get(err.name, err.name)} must be {err.allowed} (got {err.value!r})"
 
 
@@ -121,7 +121,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
         check_int("max_tokens", args.max_tokens, 1)
         check_stop(args.stop)
     except ParameterError as err:
-        _fail(parser, _flag_message(err))
+        _fail(parser, flag_message(err))
     return sampling
 
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_cache=prompt_cache, prompt_progress_callback=_ProgressBar(),
         )
     except ParameterError as err:
-        _fail(parser, _flag_message(err))
+        _fail(parser, flag_message(err))
     except (ModelLoadError, PromptCacheError, VocabError, ValueError) as err:
         _fail(parser, str(err))
     ranks = ranks_of(target)

@@ -36,9 +36,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import openai_schema as oa
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cache import KEEP
+from .generate import flag_message
 from .lookup import NO_DRAFT, PROMPT_LOOKUP
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from .sampling import ParameterError, SamplingParams, check_int
+from .speculative import vocab_width
 from .text import chat_ids, check_stop, prompt_ids
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker
 
@@ -114,7 +116,7 @@ class Service:
         self.tokenizer = worker.tokenizer
         args = getattr(worker.target, "args", None)
         self.context = getattr(args, "max_position_embeddings", None)
-        self.vocab = _vocab_size(worker.target)
+        self.vocab = vocab_width(worker.target)
 
     # -- validation ------------------------------------------------------------------------------
 
@@ -432,12 +434,6 @@ def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest, chat: bo
         raise _bad("best_of", f"best_of must be 1 (got {req.best_of!r})")
 
 
-def _vocab_size(model: nn.Module) -> int:
-    from .speculative import vocab_width
-
-    return vocab_width(model)
-
-
 # -- the app -------------------------------------------------------------------------------------
 
 
@@ -609,8 +605,7 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             check_int("--max-kv-size", args.max_kv_size, KEEP + 2)
         SamplingParams(args.temp, 1.0, 0, 0.0, None)
     except ParameterError as err:
-        name = {"k": "--num-draft-tokens", "temperature": "--temp"}.get(err.name, err.name)
-        _fail(parser, f"{name} must be {err.allowed} (got {err.value!r})")
+        _fail(parser, flag_message(err))
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
@@ -649,8 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app = build_app(args)
     except ParameterError as err:
-        name = {"draft_vocab": "--draft-vocab"}.get(err.name, err.name)
-        _fail(parser, f"{name} must be {err.allowed} (got {err.value!r})")
+        _fail(parser, flag_message(err))
     except (ModelLoadError, ValueError) as err:
         _fail(parser, str(err))
     service: Service = app.state.service

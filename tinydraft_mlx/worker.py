@@ -172,8 +172,7 @@ class Worker:
                 stats = response.stats
                 job.deliver(_piece(response, job.logprobs))
                 if job.cancelled.is_set() and response.finish_reason is None:
-                    stream.close()
-                    job.deliver(Done(stats, cancelled=True))
+                    job.deliver(Done(stats, cancelled=True))  # `finally` closes the stream
                     return "cancelled"
             job.deliver(Done(stats))
             return "completed"
