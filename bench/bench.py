@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from oracle_draft import OracleDraft
 
 from tinydraft_mlx import active_blas, load_models, skinny, stream_generate
 from tinydraft_mlx.check import forward_ms, leviathan
+from tinydraft_mlx.forward import COMPILE_ENV
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
@@ -52,10 +54,20 @@ def _decode_rate(items) -> tuple[list[int], float, list]:
     return ids, (len(ids) - 1) / elapsed if elapsed > 0 else 0.0, extras
 
 
-def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed):
-    steps = stream_generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
-                            temperature=temp, seed=seed)
-    out, rate, tokens = _decode_rate((r.token, r) for r in steps)
+def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed, compiled=True):
+    """Our `stream_generate`; compiled=False runs the eager forward (TINYDRAFT_COMPILE=0), so
+    that ours-eager / mlx-lm is the loop's gain alone and ours / ours-eager the compiled step's."""
+    saved = os.environ.get(COMPILE_ENV)
+    os.environ[COMPILE_ENV] = "1" if compiled else "0"
+    try:
+        steps = stream_generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
+                                temperature=temp, seed=seed)
+        out, rate, tokens = _decode_rate((r.token, r) for r in steps)
+    finally:
+        if saved is None:
+            del os.environ[COMPILE_ENV]
+        else:
+            os.environ[COMPILE_ENV] = saved
     return out, rate, tokens[-1].stats
 
 
@@ -108,7 +120,7 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
     `kernel_gain` (the skinny matmul changes our kernels), mlx-lm also on our kernels."""
     t_d, t_1, t_v = costs
     kw = dict(max_tokens=args.max_tokens, temp=temp, seed=args.seed)
-    row = {"temp": temp, "alpha_oracle": alpha, "k": k, "ours": [], "mlx_lm": [],
+    row = {"temp": temp, "alpha_oracle": alpha, "k": k, "ours": [], "ours_eager": [], "mlx_lm": [],
            "mlx_lm_same_kernels": [],
            "mlx_lm_from_draft": [], "mlx_lm_acceptance": [], "acceptance": [],
            "per_position": [], "rounds": [], "decode_s": []}
@@ -120,6 +132,7 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
         row["per_position"].append(stats.per_position_acceptance)
         row["rounds"].append(stats.rounds)
         row["decode_s"].append(stats.decode_seconds)
+        row["ours_eager"].append(ours(target, d, tok, ids, k=k, compiled=False, **kw)[1])
         _, their_rate, flags = theirs(target, d, ids, k=k, **kw)
         row["mlx_lm"].append(their_rate)
         row["mlx_lm_from_draft"].append(sum(flags) / len(flags))
@@ -132,6 +145,9 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
     row["speedup_ours"] = statistics.mean(row["ours"]) / statistics.mean(plain["ours"])
     row["speedup_mlx_lm"] = statistics.mean(row["mlx_lm"]) / statistics.mean(plain["ours"])
     row["ours_vs_mlx_lm"] = statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm"])
+    row["ours_eager_vs_mlx_lm"] = (statistics.mean(row["ours_eager"])
+                                   / statistics.mean(row["mlx_lm"]))
+    row["compile_gain"] = statistics.mean(row["ours"]) / statistics.mean(row["ours_eager"])
     # the loop's own gain: both engines on the same (skinny) kernels; None when they are stock
     row["ours_vs_mlx_lm_same_kernels"] = (
         statistics.mean(row["ours"]) / statistics.mean(row["mlx_lm_same_kernels"])
@@ -146,7 +162,8 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
     row["mlx_lm_acceptance_mean"] = statistics.mean(row["mlx_lm_acceptance"])
     same = row["ours_vs_mlx_lm_same_kernels"]
     print(f"T={temp} alpha={alpha} k={k}: ours {row['speedup_ours']:.2f}x plain, "
-          f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f}"
+          f"mlx-lm {row['speedup_mlx_lm']:.2f}x, ours/mlx-lm {row['ours_vs_mlx_lm']:.2f} "
+          f"(eager forward {row['ours_eager_vs_mlx_lm']:.2f})"
           + (f" ({same:.2f} on the same kernels), " if same else ", ") +
           f"predicted {row['predicted_speedup']:.2f}x, acceptance {row['acceptance_mean']:.2f} "
           f"(mlx-lm {row['mlx_lm_acceptance_mean']:.2f}), overhead {row['overhead_fraction']:.1%}",
@@ -174,15 +191,18 @@ def main() -> None:
         w.size >= skinny.MIN_WEIGHT for _, w in tree_flatten(target.parameters()))
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     kw = dict(max_tokens=args.max_tokens, temp=0.0, seed=args.seed)
-    ours(target, draft, tok, prompts[0], k=2, max_tokens=8, temp=0.0, seed=0)  # warm-up
+    for k in [None, *args.ks]:  # warm-up, compiled steps traced for every shape used below
+        ours(target, draft if k else None, tok, prompts[0], k=k or 1, max_tokens=args.max_tokens,
+             temp=0.0, seed=0)
     theirs(target, draft, prompts[0], k=2, max_tokens=8, temp=0.0, seed=0)
 
-    plain = {"ours": [], "mlx_lm": []}  # greedy: plain decoding's speed does not depend on T
+    plain = {"ours": [], "ours_eager": [], "mlx_lm": []}  # greedy: plain's speed does not depend on T
     references = []
     for ids in prompts:
         out, rate, _ = ours(target, None, tok, ids, k=1, **kw)
         plain["ours"].append(rate)
         references.append(ids + out)
+        plain["ours_eager"].append(ours(target, None, tok, ids, k=1, compiled=False, **kw)[1])
         plain["mlx_lm"].append(theirs(target, None, ids, k=1, **kw)[1])
     t_1 = forward_ms(target, prompts[0], 1)
     t_d = forward_ms(draft, prompts[0], 1)

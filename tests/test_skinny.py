@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tinydraft_mlx import generate, skinny
+from tinydraft_mlx.forward import COMPILE_ENV
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_fp32")]
 
@@ -61,7 +62,9 @@ def test_enable_is_idempotent_and_disable_restores(pair):
 
 def test_forced_on_every_projection_still_matches_oracle(pair, oracle, monkeypatch):
     """The fixture's weights are below MIN_WEIGHT; lower it so every verify pass uses the path
-    (counted: the run must really take it)."""
+    (counted: the run must really take it). Eager forwards: a compiled step traced earlier
+    would replay the kernels it recorded without calling back into Python."""
+    monkeypatch.setenv(COMPILE_ENV, "0")
     monkeypatch.setattr(skinny, "MIN_WEIGHT", 0)
     taken = []
     real = skinny._skinny

@@ -57,6 +57,7 @@ class DraftLengthPolicy:
         self.probe_budget = probe_budget
         self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
         self.chosen: Counter[int] = Counter()
+        self.timed: Counter[int] = Counter()  # rounds per k whose wall time was booked
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -130,7 +131,8 @@ class DraftLengthPolicy:
 
     def update(self, k: int, accepted: int, seconds: float) -> None:
         """Book a round that drafted k tokens, of which the first `accepted` were kept, in
-        `seconds` of wall time."""
+        `seconds` of wall time; seconds <= 0: the time is unknown or unrepresentative (the
+        round traced a compiled step), only the acceptance is booked."""
         self.chosen[k] += 1
         if k > 0:  # forget per observation: a stretch of plain rounds keeps the last evidence
             for i in range(self.k_max):
@@ -140,13 +142,15 @@ class DraftLengthPolicy:
             self.accepted[i] += 1.0
         if accepted < k:
             self.rejected[accepted] += 1.0
+        if seconds <= 0:
+            return
         if k == 0:
             self.plain_seconds += seconds
-        if seconds > 0:
-            # running mean over the first 1/smoothing samples, then a moving average
-            old = self.round_seconds.get(k, 0.0)
-            weight = max(self.smoothing, 1.0 / self.chosen[k])
-            self.round_seconds[k] = old + weight * (seconds - old)
+        # running mean over the first 1/smoothing timed rounds, then a moving average
+        self.timed[k] += 1
+        old = self.round_seconds.get(k, 0.0)
+        weight = max(self.smoothing, 1.0 / self.timed[k])
+        self.round_seconds[k] = old + weight * (seconds - old)
 
 
 _SHARED: dict[tuple[int, object], tuple[weakref.ref, weakref.ref | None, DraftLengthPolicy]] = {}

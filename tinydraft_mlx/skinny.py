@@ -21,6 +21,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import forward
+
 MIN_ROWS = 4  # measured: below this MKL's x @ W.T is faster (see above)
 MAX_ROWS = 64  # measured: above this the plain form is as fast (prefill chunks of 512: 1.07x)
 MIN_WEIGHT = 4_000_000  # elements; smaller projections gain nothing reliable (measured, noisy)
@@ -67,6 +69,7 @@ def enable(model: nn.Module) -> int:
         if swap is not None:
             module.__class__ = swap
         count += isinstance(module, (SkinnyLinear, SkinnyEmbedding))
+    forward.reset(model)  # a compiled step keeps the kernels it was traced with
     return count
 
 
@@ -76,3 +79,4 @@ def disable(model: nn.Module) -> None:
     for _, module in model.named_modules():
         if type(module) in back:
             module.__class__ = back[type(module)]
+    forward.reset(model)

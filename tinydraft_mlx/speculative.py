@@ -31,6 +31,7 @@ from mlx_lm.generate import wired_limit
 from .backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
+from .forward import forward, traces
 from .lookup import NgramIndex, PromptLookup, draft_model
 from .policy import AUTO, AUTO_MAX_K, shared_policy
 from .rejection import greedy_accept, speculative_accept
@@ -135,7 +136,7 @@ def _draft_chain(
     x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
     tokens, qs = [], []
     for i in range(k):
-        logits = draft(x[None], cache=cache)[0, -1]  # (Vq,)
+        logits = forward(draft, x[None], cache)[0, -1]  # (Vq,)
         logits = _draft_logits(logits, history, tokens, processors, width)
         if params.greedy:
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -174,7 +175,7 @@ def _verify(
     width = vocab_width(target)
     if width is not None:
         x = mx.minimum(x, width - 1)
-    logits = target(x[None], cache=cache)  # (1, k+1, Vp)
+    logits = forward(target, x[None], cache)  # (1, k+1, Vp)
     if processors:
         rows = [_process(logits[:, i], history, [drafts[j] for j in range(i)], processors)
                 for i in range(logits.shape[1])]
@@ -292,6 +293,7 @@ def decode(
                 k_round = min(k_cap, limit) if policy is None else policy.choose(limit)
                 if ranks is not None and policy is not None:  # chosen from local timings
                     k_round = ranks.agree(k_round)
+                traced = traces(target) + traces(model)
                 draft_key = verify_key = None  # greedy rounds use no randomness
                 if not sampling.greedy:
                     key, draft_key, verify_key = mx.random.split(key, 3)
@@ -310,8 +312,11 @@ def decode(
                 elapsed = time.perf_counter() - start
                 stats.decode_seconds += elapsed
                 stats.peak_memory = mx.get_peak_memory() / 1e9
-                if policy is not None:  # the round's whole cost, the draft's catch-up included
-                    policy.update(len(proposed), n, elapsed)
+                # the round's whole cost, the draft's catch-up included; a round that traced a
+                # compiled step (once per shape and process) says nothing about later rounds
+                if policy is not None:
+                    timed = traces(target) + traces(model) == traced
+                    policy.update(len(proposed), n, elapsed if timed else 0.0)
                 for i, tok in enumerate(proposed[:n] + [token]):
                     seq.append(tok)
                     stats.generated += 1
@@ -339,7 +344,7 @@ def _plain_step(
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """Queue one plain step after `token` (1,): (next token (1,), this position's
     log-probabilities (V,), the history including the next token). Nothing is evaluated."""
-    logits = target(token[None], cache=cache)[:, -1]  # (1, V)
+    logits = forward(target, token[None], cache)[:, -1]  # (1, V)
     if processors:
         logits = _process(logits, history, [], processors)
     logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (V,)

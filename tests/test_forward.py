@@ -1,0 +1,125 @@
+"""The compiled forward (`tinydraft_mlx.forward`): same logits and caches as the eager forward
+through rollbacks and buffer growth, the same tokens from the decode loop either way, and the eager
+fallback wherever the compiled step does not apply.
+
+The oracle tests (test_lossless, test_sampling_exactness) run the default path, i.e. compiled;
+here `traces` shows that the compiled step is what ran."""
+
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tinydraft_mlx import skinny
+from tinydraft_mlx.cache import make_cache, rollback
+from tinydraft_mlx.forward import COMPILE_ENV, buffer_size, forward, traces
+from tinydraft_mlx.policy import DraftLengthPolicy
+from tinydraft_mlx.speculative import decode, prefill
+
+PROMPT = "def parse_args(self, args=None, namespace=None):"
+
+
+def test_buffer_sizes():
+    assert [buffer_size(n) for n in (1, 256, 257, 600, 4096, 4097, 9000)] == [
+        256, 256, 512, 1024, 4096, 8192, 12288]
+
+
+def test_compiled_matches_eager_through_rollbacks_and_growth(pair):
+    """200 random steps of 1, 2 or 5 tokens with random rollbacks, from 240 cached tokens to
+    past two buffer sizes (256, 512): every logit row equal to the eager forward's within float
+    rounding, the same argmax, and the caches equal at the end."""
+    target, _, tok = pair
+    rng = random.Random(0)
+    vocab = len(tok.get_vocab())
+    prompt = [rng.randrange(vocab) for _ in range(240)]
+    ours, eager = make_cache(target), make_cache(target)
+    prefill(target, ours, prompt)
+    prefill(target, eager, prompt)
+    before = traces(target)
+    worst = 0.0
+    for _ in range(200):
+        n = rng.choice([1, 2, 5])
+        tokens = mx.array([[rng.randrange(vocab) for _ in range(n)]], dtype=mx.int32)
+        got, want = forward(target, tokens, ours), target(tokens, cache=eager)
+        worst = max(worst, mx.abs(got - want).max().item())
+        assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+        drop = rng.randrange(n + 1) if rng.random() < 0.5 else 0
+        keep = ours[0].offset - drop
+        rollback(ours, keep)
+        rollback(eager, keep)
+    assert traces(target) > before  # the compiled step ran (not a silent eager fallback)
+    assert ours[0].offset == eager[0].offset > 512
+    assert ours[0].keys.shape[2] == buffer_size(ours[0].offset) == 1024
+    assert worst < 1e-4
+    end = ours[0].offset
+    for a, b in zip(ours, eager):
+        for x, y in [(a.keys, b.keys), (a.values, b.values)]:
+            np.testing.assert_allclose(np.array(x[..., :end, :]), np.array(y[..., :end, :]),
+                                       atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_decode_gives_the_same_tokens_compiled_or_eager(pair, monkeypatch, k):
+    """Greedy, plain (k=0) and speculative: compiled and eager forwards emit the same tokens."""
+    target, draft, tok = pair
+    ids = tok.encode(PROMPT)
+    run = lambda: [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
+                                        max_tokens=80)]
+    before = traces(target)
+    compiled = run()
+    assert traces(target) >= before and traces(target) > 0
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert traces(target) == 0  # off: nothing compiled is used
+    eager = run()
+    assert compiled == eager and len(set(compiled)) > 5  # non-degenerate
+
+
+def test_eager_where_the_compiled_step_does_not_apply(pair):
+    target, _, tok = pair
+    ids = tok.encode(PROMPT)
+    before = traces(target)
+    bounded = make_cache(target, max_kv_size=64, margin=5)  # a rotating cache: eager
+    prefill(target, bounded, ids)
+    forward(target, mx.array([[5, 6, 7]], dtype=mx.int32), bounded)
+    assert bounded[0].offset == len(ids) + 3 and traces(target) == before
+
+    class Other(nn.Module):  # an architecture the compiled step does not claim
+        def __init__(self):
+            super().__init__()
+            self.args = type("Args", (), {"model_type": "llama"})()
+            self.inner = target
+
+        def __call__(self, inputs, cache=None):
+            return self.inner(inputs, cache=cache)
+
+    other = Other()
+    cache = make_cache(target)
+    prefill(target, cache, ids)
+    out = forward(other, mx.array([[5]], dtype=mx.int32), cache)
+    assert out.shape[1] == 1 and traces(other) == 0
+
+
+@pytest.mark.cpu_only
+def test_swapping_kernels_drops_the_compiled_step(load):
+    """A compiled step keeps the modules it traced; `skinny.enable/disable` make a new one."""
+    target, _, tok = load("target", "none")
+    cache = make_cache(target)
+    prefill(target, cache, tok.encode(PROMPT))
+    forward(target, mx.array([[5]], dtype=mx.int32), cache)
+    assert traces(target) > 0
+    skinny.disable(target)
+    try:
+        assert traces(target) == 0
+    finally:
+        skinny.enable(target)
+
+
+def test_policy_books_acceptance_but_not_the_time_of_an_untimed_round():
+    policy = DraftLengthPolicy(4)
+    policy.update(2, 1, 0.0)  # a round that traced: its time says nothing about later rounds
+    assert 2 not in policy.round_seconds and policy.accepted[0] == 1.0
+    assert policy.rejected[1] == 1.0
+    policy.update(2, 2, 0.010)  # the first timed round is the estimate, not half of it
+    assert policy.round_seconds[2] == pytest.approx(0.010)
