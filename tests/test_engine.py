@@ -162,10 +162,11 @@ class _Recording:
     SCHEDULE = [0, 0, 0, 0, 0, 2, 2]
 
     def __init__(self):
-        self.updates = []
+        self.updates, self.calls = [], 0
 
-    def choose(self, limit):
-        return min(self.SCHEDULE[len(self.updates) % len(self.SCHEDULE)], limit)
+    def choose(self, limit):  # the n-th call chooses the n-th round
+        self.calls += 1
+        return min(self.SCHEDULE[(self.calls - 1) % len(self.SCHEDULE)], limit)
 
     def update(self, k, accepted, seconds):
         self.updates.append((k, seconds))
@@ -197,6 +198,29 @@ def test_auto_charges_the_drafts_catch_up_to_its_round(pair, monkeypatch):
     assert ks[:7] == [0, 0, 0, 0, 0, 2, 2]
     catch_up, after = policy.updates[5][1], policy.updates[6][1]
     assert catch_up >= 0.2 and after < 0.2, policy.updates
+
+
+@pytest.mark.parametrize("schedule", [[0], [0, 0, 0, 3], [3, 0, 0, 0, 0, 0, 1]])
+def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, schedule):
+    """k="auto" runs the plain rounds it picks as pipelined stretches that end when it picks a
+    k again: greedy output unchanged, every token booked once, caches hold seq[:-1]."""
+    import tinydraft_mlx.speculative as spec
+
+    target, draft, tok = pair
+    ids, ref = reference
+    policy = _Recording()
+    policy.SCHEDULE = schedule
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    tc, dc = make_cache(target), make_cache(draft)
+    tokens = list(decode(target, draft, ids, k="auto", max_tokens=40, target_cache=tc,
+                         draft_cache=dc))
+    out = [t.id for t in tokens]
+    assert out == ref[:40] and tokens[-1].finish_reason == "length"
+    plain = sum(1 for k, _ in policy.updates if k == 0)
+    drafted = [k for k, _ in policy.updates if k > 0]
+    assert tokens[-1].stats.rounds == len(policy.updates) == plain + len(drafted)
+    assert (plain == 40) == (schedule == [0]) and all(k <= max(schedule) for k in drafted)
+    _assert_cache_holds(target, tc, (ids + out)[:-1])
 
 
 def test_api_name_survives_importing_the_cli(pair):

@@ -1,6 +1,6 @@
 """The draft/verify loop, and plain decoding (no draft: `_plain`, pipelined as mlx-lm's
 `generate_step`, with the same statistics, caches and rollback; the plain rounds `k="auto"` chooses
-go through the round loop with k = 0).
+run as pipelined stretches of it, or, on tensor-parallel ranks, as rounds with k = 0).
 
 Knows nothing about text: token ids in, token ids out. Each round the draft proposes k tokens (its
 steps are queued with `mx.async_eval`, no host sync along the chain), the target scores
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,7 +33,7 @@ from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .forward import forward, traces
 from .lookup import NgramIndex, PromptLookup, draft_model
-from .policy import AUTO, AUTO_MAX_K, shared_policy
+from .policy import AUTO, AUTO_MAX_K, DraftLengthPolicy, shared_policy
 from .rejection import greedy_accept, speculative_accept
 from .sampling import SamplingParams, warp
 from .stats import GenerationStats
@@ -286,13 +286,29 @@ def decode(
                 yield from _plain(target, target_cache, seq, max_tokens, sampling, key, eos,
                                   stats, stream, logits_processors)
                 return
+            chosen = None  # k picked at the end of a plain stretch, for the round after it
             while stats.generated < max_tokens:
                 start = time.perf_counter()
                 # never draft more than can be emitted: a round emits up to k_round + 1 tokens
                 limit = max_tokens - stats.generated - 1
-                k_round = min(k_cap, limit) if policy is None else policy.choose(limit)
+                if policy is None:
+                    k_round = min(k_cap, limit)
+                else:
+                    k_round = policy.choose(limit) if chosen is None else min(chosen, limit)
+                    chosen = None
                 if ranks is not None and policy is not None:  # chosen from local timings
                     k_round = ranks.agree(k_round)
+                elif k_round == 0 and policy is not None:
+                    # plain rounds chosen by k="auto" run pipelined, as plain decoding does,
+                    # until the policy picks a k again (one process: the ranks would have to
+                    # agree on every token)
+                    key, plain_key = mx.random.split(key)
+                    chosen = yield from _plain(target, target_cache, seq, max_tokens, sampling,
+                                               plain_key, eos, stats, stream, logits_processors,
+                                               policy)
+                    if chosen is None:  # finished (length or EOS)
+                        return
+                    continue
                 traced = traces(target) + traces(model)
                 draft_key = verify_key = None  # greedy rounds use no randomness
                 if not sampling.greedy:
@@ -366,10 +382,16 @@ def _plain(
     stats: GenerationStats,
     stream: mx.Stream,
     processors: Sequence[Processor],
-) -> Iterator[Token]:
+    policy: DraftLengthPolicy | None = None,
+) -> Generator[Token, None, int | None]:
     """Plain decoding, pipelined as mlx-lm's `generate_step`: step t+1 is queued (its graph built
     and evaluation started) before token t is read, so the host's work overlaps the device's. The
-    step queued past the last token is rolled back by the caller's `finally`, as any round's."""
+    step queued past the last token is rolled back by the caller's `finally`, as any round's.
+
+    With `policy` (a stretch of plain rounds chosen by k="auto"): each token is booked as a plain
+    round, and before step t+1 is queued the policy chooses again; when it picks k > 0 nothing
+    more is queued, and after token t the stretch returns that k (the target then holds seq[:-1],
+    as at the start of any round). Returns None when generation finished (length or EOS)."""
 
     def queue(token: mx.array, history: mx.array | None, key: mx.array) -> tuple:
         step_key = None
@@ -381,24 +403,34 @@ def _plain(
         return step, key
 
     history = mx.array(seq, dtype=mx.int32) if processors else None
-    start = time.perf_counter()
+    start, traced = time.perf_counter(), traces(target)
     (y, logprobs, history), key = queue(mx.array(seq[-1:], dtype=mx.int32), history, key)
     while True:
-        following = None
+        following, chosen = None, 0
         if stats.generated + 1 < max_tokens:
-            following, key = queue(y, history, key)
+            if policy is not None:  # for the round after this token
+                chosen = policy.choose(max_tokens - stats.generated - 2)
+            if chosen == 0:
+                following, key = queue(y, history, key)
         token = y.item()
+        elapsed = time.perf_counter() - start
         stats.record_round(0, 0)
-        stats.decode_seconds += time.perf_counter() - start
+        stats.decode_seconds += elapsed
         stats.peak_memory = mx.get_peak_memory() / 1e9
+        if policy is not None:  # a token whose step traced a compiled shape says nothing
+            policy.update(0, 0, elapsed if traces(target) == traced else 0.0)
         seq.append(token)
         stats.generated += 1
-        finish = "eos" if token in eos else "length" if following is None else None
+        last = following is None and chosen == 0
+        finish = "eos" if token in eos else "length" if last else None
         stats.finish_reason = finish
         yield Token(token, False, stats, logprobs, finish)
         if finish is not None:
-            return
-        start = time.perf_counter()  # the consumer's time between tokens is not decoding
+            return None
+        if following is None:
+            return chosen
+        # the consumer's time between tokens is not decoding
+        start, traced = time.perf_counter(), traces(target)
         y, logprobs, history = following
 
 
