@@ -122,8 +122,10 @@ class DraftLengthPolicy:
         # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
         # that time. So probing costs at most ~probe_budget of the decode time, a hopeless k is
         # probed rarely and a cheap probe often.
+        # A probe also interrupts pipelined plain decoding (the step after the stretch is not
+        # overlapped with the host's work): one plain round's worth, counted in the loss.
         expected = self.expected_tokens(alphas, best)
-        loss = self.round_cost(best) - expected * self.round_seconds[0]
+        loss = self.round_cost(best) + self.round_seconds[0] - expected * self.round_seconds[0]
         if self.plain_seconds * self.probe_budget >= loss:
             self.plain_seconds = 0.0
             return best

@@ -1,0 +1,138 @@
+"""k="auto" against plain decoding and every fixed k, warm and cold: does it earn the default?
+
+    python bench/auto.py                                   # the demo pair (about 6 minutes)
+    S=~/.cache/tinydraft-mlx/shapes
+    python bench/auto.py --target $S/1.5B --draft $S/0.5B --alphas 0.0 0.5 0.9 --prompts 1 \\
+        --max-tokens 24 --temps 0.0 --repeats 1 --name auto_shapes
+
+Cells: the real draft at each temperature, and the oracle-acceptance draft (bench/oracle_draft.py,
+greedy) at each alpha, alpha 0 being the case where speculation cannot pay. In every cell, per
+prompt and repeat, the contenders take turns: plain, k = 1..K, "auto warm" (the pair's shared
+policy, already trained by earlier generations of the same cell) and "auto cold" (a fresh policy:
+the first generation of a pair in a process). Compiled steps are traced by a warm-up first, so
+"cold" is about the policy, not about tracing. Tokens/s are decode-only; figures are the median
+over prompts x repeats.
+
+Writes results/<name>.json and results/<name>.png.
+"""
+
+from __future__ import annotations
+
+import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
+import argparse
+import statistics
+from pathlib import Path
+
+from common import machine, model_dtype, pyplot, save
+from oracle_draft import OracleDraft
+
+from bench import PROMPTS, ours
+from tinydraft_mlx import active_blas, load_models
+from tinydraft_mlx import policy as policy_module
+
+
+def cold() -> None:
+    """Forget every pair's shared policy: the next k="auto" generation starts from scratch."""
+    policy_module._SHARED.clear()
+
+
+def run_cell(target, tok, prompts, draft_for, ks, args, temp) -> dict:
+    names = ["plain", *(f"k={k}" for k in ks), "auto warm", "auto cold"]
+    rates = {name: [] for name in names}
+    for rep in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            draft = draft_for(i)
+            # train the warm policy on this pair first (not timed)
+            ours(target, draft, tok, ids, k="auto", max_tokens=args.max_tokens, temp=temp,
+                 seed=rep)
+            for name in names:
+                k = "auto" if name.startswith("auto") else 1 if name == "plain" else int(name[2:])
+                if name == "auto cold":
+                    cold()
+                rates[name].append(ours(target, None if name == "plain" else draft, tok, ids,
+                                        k=k, max_tokens=args.max_tokens, temp=temp,
+                                        seed=rep)[1])
+    tok_s = {name: statistics.median(r) for name, r in rates.items()}
+    fixed = {n: v for n, v in tok_s.items() if n.startswith("k=")}
+    best = max(fixed, key=fixed.get)
+    row = {"tok_s": tok_s, "runs": rates, "best_fixed": best,
+           "vs_plain": {n: v / tok_s["plain"] for n, v in tok_s.items()}}
+    for which in ("auto warm", "auto cold"):
+        key = which.replace(" ", "_")
+        row[f"{key}_vs_best_fixed"] = tok_s[which] / fixed[best]
+        row[f"{key}_vs_plain"] = tok_s[which] / tok_s["plain"]
+        row[f"{key}_vs_best"] = tok_s[which] / max(fixed[best], tok_s["plain"])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--temps", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--alphas", type=float, nargs="*", default=[0.0, 0.5, 0.9])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--name", default="auto")
+    args = ap.parse_args()
+    target, draft, tok = load_models(args.target, args.draft)
+    prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
+    for k in [None, *args.ks]:  # warm-up: trace every compiled shape used below
+        ours(target, draft if k else None, tok, prompts[0], k=k or 1, max_tokens=args.max_tokens,
+             temp=0.0, seed=0)
+    refs = [ids + ours(target, None, tok, ids, k=1, max_tokens=args.max_tokens, temp=0.0,
+                       seed=0)[0] for ids in prompts]
+    cells = []
+    for temp in args.temps:
+        row = run_cell(target, tok, prompts, lambda i: draft, args.ks, args, temp)
+        cells.append({"draft": "real", "temp": temp, "alpha": None, **row})
+        print(_line(cells[-1]), flush=True)
+    for alpha in args.alphas:
+        oracles = [OracleDraft(draft, ref, alpha, 0) for ref in refs]
+        row = run_cell(target, tok, prompts, lambda i: oracles[i], args.ks, args, 0.0)
+        cells.append({"draft": "oracle", "temp": 0.0, "alpha": alpha, **row})
+        print(_line(cells[-1]), flush=True)
+    report = {"settings": {**vars(args), "dtype": model_dtype(target), "blas": active_blas()},
+              "machine": machine(), "cells": cells}
+    save(report, args.name, plot)
+
+
+def label(cell: dict) -> str:
+    if cell["draft"] == "real":
+        return f"real draft, T={cell['temp']}"
+    return f"oracle alpha={cell['alpha']}"
+
+
+def _line(cell: dict) -> str:
+    speeds = ", ".join(f"{n} {v:.2f}x" for n, v in cell["vs_plain"].items())
+    return (f"{label(cell)}: {speeds}; auto warm / best fixed ({cell['best_fixed']}) "
+            f"{cell['auto_warm_vs_best_fixed']:.2f}, / plain {cell['auto_warm_vs_plain']:.2f}; "
+            f"cold {cell['auto_cold_vs_best_fixed']:.2f} / {cell['auto_cold_vs_plain']:.2f}")
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    cells = report["cells"]
+    names = list(cells[0]["vs_plain"])
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cells)), 4.5))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
+        style = {"color": "black"} if name == "auto warm" else {"color": "dimgrey"} \
+            if name == "auto cold" else {}
+        ax.bar(xs, [c["vs_plain"][name] for c in cells], width=width, label=name, **style)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(cells)), [label(c) for c in cells], fontsize=8)
+    ax.set(ylabel="decode tokens/s vs plain (median)",
+           title=f"k='auto' vs plain and fixed k ({Path(report['settings']['target'] or 'demo').name}"
+                 f", {report['settings']['dtype']}, BLAS "
+                 f"{report['settings']['blas'].split(' (')[0]})")
+    ax.legend(fontsize=8, ncol=len(names))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
