@@ -96,9 +96,9 @@ def head_to_head(name: str):
             f"t_d {c['t_d']:.1f} ms, t_v(1..) {t_v} ms.",
             "",
             "| T | alpha | k | ours vs plain | mlx-lm vs plain | ours / mlx-lm | "
-            "ours / mlx-lm, same kernels | predicted | measured / predicted | "
-            "acceptance ours / mlx-lm | overhead |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "ours / mlx-lm, same kernels | ours with the eager forward / mlx-lm | predicted | "
+            "measured / predicted | acceptance ours / mlx-lm | overhead |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in r["runs"]:
             alpha = "-" if row["alpha_oracle"] is None else row["alpha_oracle"]
@@ -108,13 +108,64 @@ def head_to_head(name: str):
             lines.append(
                 f"| {row['temp']} | {alpha} | {row['k']} | {row['speedup_ours']:.2f}x | "
                 f"{row['speedup_mlx_lm']:.2f}x | {row['ours_vs_mlx_lm']:.2f} | {same} | "
-                f"{row['predicted_speedup']:.2f}x | "
+                f"{_eager(row)} | {row['predicted_speedup']:.2f}x | "
                 f"{row['speedup_ours'] / row['predicted_speedup']:.2f} | "
                 f"{row['acceptance_mean']:.2f} / {row['mlx_lm_acceptance_mean']:.2f} | "
                 f"{row['overhead_fraction']:.0%} |")
         return lines
 
     return render
+
+
+def _eager(row: dict) -> str:
+    value = row.get("ours_eager_vs_mlx_lm")
+    return "not run" if value is None else f"{value:.2f}"
+
+
+def best_k(r: dict) -> list[str]:
+    """Best fixed k, ours vs mlx-lm, per temperature (the issue's head-to-head figure)."""
+    lines = ["| T | ours: best k, tok/s | mlx-lm: best k, tok/s | ours / mlx-lm, best vs best | "
+             "ours with the eager forward, best / mlx-lm best | plain: ours / mlx-lm |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    mean = lambda xs: sum(xs) / len(xs)
+    plain = mean(r["plain"]["ours"]) / mean(r["plain"]["mlx_lm"])
+    for temp in sorted({row["temp"] for row in r["runs"]}):
+        rows = [row for row in r["runs"] if row["temp"] == temp and row["alpha_oracle"] is None]
+        if not rows or "ours_eager" not in rows[0]:
+            continue
+        ours = max(rows, key=lambda row: mean(row["ours"]))
+        eager = max(rows, key=lambda row: mean(row["ours_eager"]))
+        theirs = max(rows, key=lambda row: mean(row["mlx_lm"]))
+        o, e, t = mean(ours["ours"]), mean(eager["ours_eager"]), mean(theirs["mlx_lm"])
+        lines.append(f"| {temp} | k={ours['k']}, {o:.0f} | k={theirs['k']}, {t:.0f} | "
+                     f"**{o / t:.2f}** | {e / t:.2f} (k={eager['k']}) | {plain:.2f} |")
+    return lines if len(lines) > 2 else []
+
+
+def auto(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**k=\"auto\" vs plain and fixed k** (`python bench/auto.py --repeats {s['repeats']}`; "
+        f"demo pair, {s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens x "
+        f"{s['repeats']} repeats, contenders interleaved, medians; warm = the pair's policy "
+        "trained by earlier generations, cold = a fresh policy; "
+        "[json](results/auto.json), [plot](results/auto.png))",
+        "",
+        "| draft | plain | " + " | ".join(f"k={k}" for k in s["ks"]) +
+        " | auto warm | auto cold | warm / best fixed | warm / plain | cold / best fixed | "
+        "cold / plain |",
+        "| --- | --- | " + " | ".join("---" for _ in s["ks"]) + " | --- | --- | --- | --- | --- "
+        "| --- |",
+    ]
+    for c in r["cells"]:
+        name = (f"real, T={c['temp']}" if c["draft"] == "real" else f"oracle alpha={c['alpha']}")
+        v = c["vs_plain"]
+        lines.append(
+            f"| {name} | 1.00x | " + " | ".join(f"{v[f'k={k}']:.2f}x" for k in s["ks"]) +
+            f" | {v['auto warm']:.2f}x | {v['auto cold']:.2f}x | "
+            f"{c['auto_warm_vs_best_fixed']:.2f} | {c['auto_warm_vs_plain']:.2f} | "
+            f"{c['auto_cold_vs_best_fixed']:.2f} | {c['auto_cold_vs_plain']:.2f} |")
+    return lines
 
 
 def blas(r: dict) -> list[str]:
@@ -321,6 +372,8 @@ def main() -> None:
         ("demo_training", demo_training),
         ("demo_quality", demo_quality),
         ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
+        ("demo_pair", best_k),
+        ("auto", auto),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
         ("blas", blas),
