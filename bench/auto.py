@@ -91,7 +91,7 @@ def main() -> None:
         print(_line(cells[-1]), flush=True)
     for alpha in args.alphas:
         oracles = [OracleDraft(draft, ref, alpha, 0) for ref in refs]
-        row = run_cell(target, tok, prompts, lambda i: oracles[i], args.ks, args, 0.0)
+        row = run_cell(target, tok, prompts, oracles.__getitem__, args.ks, args, 0.0)
         cells.append({"draft": "oracle", "temp": 0.0, "alpha": alpha, **row})
         print(_line(cells[-1]), flush=True)
     report = {"settings": {**vars(args), "dtype": model_dtype(target), "blas": active_blas()},
@@ -125,9 +125,9 @@ def plot(report: dict, path: Path) -> None:
         ax.bar(xs, [c["vs_plain"][name] for c in cells], width=width, label=name, **style)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(cells)), [label(c) for c in cells], fontsize=8)
+    model = Path(report["settings"]["target"] or "demo").name
     ax.set(ylabel="decode tokens/s vs plain (median)",
-           title=f"k='auto' vs plain and fixed k ({Path(report['settings']['target'] or 'demo').name}"
-                 f", {report['settings']['dtype']}, BLAS "
+           title=f"k='auto' vs plain and fixed k ({model}, {report['settings']['dtype']}, BLAS "
                  f"{report['settings']['blas'].split(' (')[0]})")
     ax.legend(fontsize=8, ncol=len(names))
     fig.tight_layout()

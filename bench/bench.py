@@ -196,7 +196,8 @@ def main() -> None:
              temp=0.0, seed=0)
     theirs(target, draft, prompts[0], k=2, max_tokens=8, temp=0.0, seed=0)
 
-    plain = {"ours": [], "ours_eager": [], "mlx_lm": []}  # greedy: plain's speed does not depend on T
+    # greedy: plain decoding's speed does not depend on T
+    plain = {"ours": [], "ours_eager": [], "mlx_lm": []}
     references = []
     for ids in prompts:
         out, rate, _ = ours(target, None, tok, ids, k=1, **kw)

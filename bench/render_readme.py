@@ -127,7 +127,9 @@ def best_k(r: dict) -> list[str]:
     lines = ["| T | ours: best k, tok/s | mlx-lm: best k, tok/s | ours / mlx-lm, best vs best | "
              "ours with the eager forward, best / mlx-lm best | plain: ours / mlx-lm |",
              "| --- | --- | --- | --- | --- | --- |"]
-    mean = lambda xs: sum(xs) / len(xs)
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
     plain = mean(r["plain"]["ours"]) / mean(r["plain"]["mlx_lm"])
     for temp in sorted({row["temp"] for row in r["runs"]}):
         rows = [row for row in r["runs"] if row["temp"] == temp and row["alpha_oracle"] is None]

@@ -65,8 +65,11 @@ def test_decode_gives_the_same_tokens_compiled_or_eager(pair, monkeypatch, k):
     """Greedy, plain (k=0) and speculative: compiled and eager forwards emit the same tokens."""
     target, draft, tok = pair
     ids = tok.encode(PROMPT)
-    run = lambda: [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
-                                        max_tokens=80)]
+
+    def run():
+        return [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
+                                     max_tokens=80)]
+
     before = traces(target)
     compiled = run()
     assert traces(target) >= before and traces(target) > 0
