@@ -35,7 +35,7 @@ class _Scripted:
         self.rounds += 1
         return min(self.SCHEDULE[(self.rounds - 1) % 3], limit)
 
-    def update(self, k, accepted, seconds):
+    def update(self, k, accepted, seconds, catch_up=0.0):
         pass
 
 

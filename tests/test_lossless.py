@@ -144,7 +144,7 @@ class _Scripted:
         self.rounds += 1
         return min(k, limit)
 
-    def update(self, k, accepted, seconds):
+    def update(self, k, accepted, seconds, catch_up=0.0):
         pass
 
 

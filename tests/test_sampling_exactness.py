@@ -52,7 +52,7 @@ class _PlainThenOne:
         self.rounds += 1
         return 0 if self.rounds == 1 else min(1, limit)
 
-    def update(self, k, accepted, seconds):
+    def update(self, k, accepted, seconds, catch_up=0.0):
         pass
 
 

@@ -58,6 +58,9 @@ class DraftLengthPolicy:
         self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
         self.chosen: Counter[int] = Counter()
         self.timed: Counter[int] = Counter()  # rounds per k whose wall time was booked
+        # moving average of the draft's catch-up when drafting resumes after plain rounds
+        self.switch_seconds = 0.0
+        self.switches = 0
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -122,20 +125,28 @@ class DraftLengthPolicy:
         # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
         # that time. So probing costs at most ~probe_budget of the decode time, a hopeless k is
         # probed rarely and a cheap probe often.
-        # A probe also interrupts pipelined plain decoding (the step after the stretch is not
-        # overlapped with the host's work): one plain round's worth, counted in the loss.
+        # A probe also pays the draft's catch-up on the plain stretch (`switch_seconds`, as
+        # measured at past switches) and interrupts pipelined plain decoding (the step after the
+        # stretch is not overlapped with the host's work: one plain round's worth).
         expected = self.expected_tokens(alphas, best)
-        loss = self.round_cost(best) + self.round_seconds[0] - expected * self.round_seconds[0]
+        loss = (self.round_cost(best) + self.switch_seconds + self.round_seconds[0]
+                - expected * self.round_seconds[0])
         if self.plain_seconds * self.probe_budget >= loss:
             self.plain_seconds = 0.0
             return best
         return 0
 
-    def update(self, k: int, accepted: int, seconds: float) -> None:
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
         """Book a round that drafted k tokens, of which the first `accepted` were kept, in
         `seconds` of wall time; seconds <= 0: the time is unknown or unrepresentative (the
-        round traced a compiled step), only the acceptance is booked."""
+        round traced a compiled step), only the acceptance is booked. `catch_up`: seconds the
+        draft spent catching up on plain rounds before this one, not part of `seconds`: the
+        price of a switch, which prices probes but not sustained drafting (round_seconds)."""
         self.chosen[k] += 1
+        if catch_up > 0:
+            self.switches += 1
+            weight = max(self.smoothing, 1.0 / self.switches)
+            self.switch_seconds += weight * (catch_up - self.switch_seconds)
         if k > 0:  # forget per observation: a stretch of plain rounds keeps the last evidence
             for i in range(self.k_max):
                 self.accepted[i] *= self.decay

@@ -314,6 +314,7 @@ def decode(
                 if not sampling.greedy:
                     key, draft_key, verify_key = mx.random.split(key, 3)
                 with mx.stream(stream):
+                    catch_up = _catch_up(model, draft_cache, seq) if k_round else 0.0
                     history = mx.array(seq, dtype=mx.int32) if logits_processors else None
                     drafts, q = _propose(model, draft_cache, index, seq, k_round, sampling,
                                          draft_key, width, history, logits_processors)
@@ -328,11 +329,13 @@ def decode(
                 elapsed = time.perf_counter() - start
                 stats.decode_seconds += elapsed
                 stats.peak_memory = mx.get_peak_memory() / 1e9
-                # the round's whole cost, the draft's catch-up included; a round that traced a
-                # compiled step (once per shape and process) says nothing about later rounds
+                # the draft's catch-up is the price of switching from plain rounds, booked apart
+                # from the round's own cost; a round that traced a compiled step (once per shape
+                # and process) says nothing about later rounds
                 if policy is not None:
                     timed = traces(target) + traces(model) == traced
-                    policy.update(len(proposed), n, elapsed if timed else 0.0)
+                    policy.update(len(proposed), n, elapsed - catch_up if timed else 0.0,
+                                  catch_up=catch_up)
                 for i, tok in enumerate(proposed[:n] + [token]):
                     seq.append(tok)
                     stats.generated += 1
@@ -434,6 +437,20 @@ def _plain(
         y, logprobs, history = following
 
 
+def _catch_up(model: nn.Module | None, draft_cache: Cache | None, seq: list[int]) -> float:
+    """Feed the draft model what it missed (after plain rounds) but the last token, as a prefill,
+    so that at most 2 tokens remain for its first step; returns the seconds it took (prefill
+    evaluates, so this is device time too). Nothing to do (0.0) within a run of drafting rounds."""
+    if model is None or draft_cache is None:
+        return 0.0
+    unseen = seq[cache_length(draft_cache) :]
+    if len(unseen) <= 2:
+        return 0.0
+    start = time.perf_counter()
+    prefill(model, draft_cache, unseen[:-1])
+    return time.perf_counter() - start
+
+
 def _propose(
     model: nn.Module | None,
     draft_cache: Cache | None,
@@ -448,7 +465,7 @@ def _propose(
 ) -> tuple[mx.array, mx.array | None]:
     """Up to k draft tokens (k,) and, when sampling, their distributions q (k, V): from the
     n-gram index (point masses), or from the draft model, which first catches up on what it has
-    not seen (after plain rounds of k="auto": like a prefill)."""
+    not seen (after plain rounds of k="auto": like a prefill; see `_catch_up`)."""
     empty = mx.zeros((0,), dtype=mx.int32), None
     if k == 0:
         return empty
@@ -458,9 +475,7 @@ def _propose(
             return empty
         drafts = mx.array(proposal, dtype=mx.int32)
         return drafts, None if sampling.greedy else _point_mass(drafts, target_width)
+    _catch_up(model, draft_cache, seq)
     unseen = seq[cache_length(draft_cache) :]
-    if len(unseen) > 2:
-        prefill(model, draft_cache, unseen[:-1])
-        unseen = unseen[-1:]
     return _draft_chain(model, draft_cache, unseen, k, sampling, key, history, processors,
                         target_width)
