@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import make_sampler
 from oracle_draft import OracleDraft
 
 from tinydraft_mlx import active_blas, load_models, skinny, stream_generate
+from tinydraft_mlx.backend import generation_stream
 from tinydraft_mlx.check import forward_ms, leviathan
 from tinydraft_mlx.forward import COMPILE_ENV
 
@@ -92,9 +93,11 @@ def _theirs(target, draft, ids, *, k, max_tokens, temp, seed):
     mx.random.seed(seed)
     sampler = make_sampler(temp=temp)
     if draft is None:
-        gen = generate_step(mx.array(ids), target, max_tokens=max_tokens, sampler=sampler)
+        gen = generate_step(mx.array(ids), target, max_tokens=max_tokens, sampler=sampler,
+                            stream=generation_stream())
         return _decode_rate((int(t), False) for t, _ in gen)
-    gen = speculative_generate_step(mx.array(ids), target, draft, num_draft_tokens=k,
+    gen = speculative_generate_step(mx.array(ids), target, draft, stream=generation_stream(),
+                                    num_draft_tokens=k,
                                     max_tokens=max_tokens, sampler=sampler)
     return _decode_rate((int(t), bool(fd)) for t, _, fd in gen)
 

@@ -24,6 +24,7 @@ from demo_quality import held_out_prompts
 from mlx_lm.generate import generate_step
 
 from tinydraft_mlx import load_models, stream_generate
+from tinydraft_mlx.backend import generation_stream
 from tinydraft_mlx.speculative import decode
 
 
@@ -47,7 +48,8 @@ def ours_text(target, tok, ids: list[int], n: int) -> tuple[float, list[int]]:
 
 def theirs(target, ids: list[int], n: int) -> tuple[float, list[int]]:
     stamps, out = [], []
-    for token, _ in generate_step(mx.array(ids), target, max_tokens=n):
+    for token, _ in generate_step(mx.array(ids), target, max_tokens=n,
+                                  stream=generation_stream()):
         stamps.append(time.perf_counter())
         out.append(int(token))
     return (len(out) - 1) / (stamps[-1] - stamps[0]), out

@@ -105,18 +105,23 @@ def test_eager_where_the_compiled_step_does_not_apply(pair):
 
 
 @pytest.mark.cpu_only
-def test_swapping_kernels_drops_the_compiled_step(load):
-    """A compiled step keeps the modules it traced; `skinny.enable/disable` make a new one."""
+def test_swapping_kernels_switches_the_compiled_step(load):
+    """A compiled step replays the modules it traced: `skinny.disable` switches to another step
+    (traced anew), `skinny.enable` back to the first one (kept)."""
     target, _, tok = load("target", "none")
     cache = make_cache(target)
     prefill(target, cache, tok.encode(PROMPT))
     forward(target, mx.array([[5]], dtype=mx.int32), cache)
-    assert traces(target) > 0
+    skinny_traces = traces(target)
+    assert skinny_traces > 0
     skinny.disable(target)
     try:
         assert traces(target) == 0
+        forward(target, mx.array([[6]], dtype=mx.int32), cache)
+        assert traces(target) == 1
     finally:
         skinny.enable(target)
+    assert traces(target) == skinny_traces
 
 
 def test_policy_prices_probes_with_the_switch_cost_not_sustained_drafting():

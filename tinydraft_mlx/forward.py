@@ -35,7 +35,8 @@ COMPILE_ENV = "TINYDRAFT_COMPILE"
 SUPPORTED = frozenset({"qwen2"})  # attention reads the cache only through offset/update/mask
 MIN_BUFFER = 256
 LINEAR_BUFFER = 4096  # beyond this, buffers grow by this much instead of doubling
-_STATE = "_tinydraft_forward"
+_STATE = "_tinydraft_forward"  # per model: {kernel set name: _Compiled or False}
+_KERNELS = "_tinydraft_kernels"  # the name of the module set the model runs now
 
 
 def enabled() -> bool:
@@ -92,17 +93,29 @@ def _model_type(model: Any) -> str | None:
 
 
 def _compiled(model: Any) -> _Compiled | None:
-    """The model's compiled step, made on first use; None where it does not apply."""
-    state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
-    if state is None and isinstance(model, nn.Module):
+    """The model's compiled step for the modules it runs now, made on first use; None where it
+    does not apply."""
+    if not isinstance(model, nn.Module):
+        return None
+    states = model.__dict__.setdefault(_STATE, {})
+    kernels = model.__dict__.get(_KERNELS)
+    state = states.get(kernels)
+    if state is None:
         ok = _model_type(model) in SUPPORTED and ranks_of(model) is None
-        state = _Compiled(model) if ok else False
-        model.__dict__[_STATE] = state
+        state = states[kernels] = _Compiled(model) if ok else False
     return state or None
 
 
+def set_kernels(model: nn.Module, name: str) -> None:
+    """Say that `model`'s modules were swapped for the set called `name` (e.g. by `skinny`): a
+    compiled step replays the modules it traced, so steps are kept per set (swapping back and
+    forth traces each set once)."""
+    if isinstance(model, nn.Module):
+        model.__dict__[_KERNELS] = name
+
+
 def reset(model: nn.Module) -> None:
-    """Forget `model`'s compiled step (after its modules were swapped, e.g. by `skinny`)."""
+    """Forget every compiled step of `model`."""
     if isinstance(model, nn.Module):
         model.__dict__.pop(_STATE, None)
 

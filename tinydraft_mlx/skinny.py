@@ -69,7 +69,7 @@ def enable(model: nn.Module) -> int:
         if swap is not None:
             module.__class__ = swap
         count += isinstance(module, (SkinnyLinear, SkinnyEmbedding))
-    forward.reset(model)  # a compiled step keeps the kernels it was traced with
+    forward.set_kernels(model, "skinny" if count else "stock")  # compiled steps replay modules
     return count
 
 
@@ -79,4 +79,4 @@ def disable(model: nn.Module) -> None:
     for _, module in model.named_modules():
         if type(module) in back:
             module.__class__ = back[type(module)]
-    forward.reset(model)
+    forward.set_kernels(model, "stock")
