@@ -159,10 +159,12 @@ class DraftLengthPolicy:
             return
         if k == 0:
             self.plain_seconds += seconds
-        # running mean over the first 1/smoothing timed rounds, then a moving average
+        # running mean over the first 1/smoothing timed rounds, then a moving average; plain
+        # rounds are single tokens (many, and noisier one by one): a longer memory
         self.timed[k] += 1
         old = self.round_seconds.get(k, 0.0)
-        weight = max(self.smoothing, 1.0 / self.timed[k])
+        smoothing = self.smoothing / 3 if k == 0 else self.smoothing
+        weight = max(smoothing, 1.0 / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
 
 

@@ -406,6 +406,7 @@ def _plain(
         return step, key
 
     history = mx.array(seq, dtype=mx.int32) if processors else None
+    first_token = stats.generated
     start, traced = time.perf_counter(), traces(target)
     (y, logprobs, history), key = queue(mx.array(seq[-1:], dtype=mx.int32), history, key)
     while True:
@@ -420,8 +421,11 @@ def _plain(
         stats.record_round(0, 0)
         stats.decode_seconds += elapsed
         stats.peak_memory = mx.get_peak_memory() / 1e9
-        if policy is not None:  # a token whose step traced a compiled shape says nothing
-            policy.update(0, 0, elapsed if traces(target) == traced else 0.0)
+        if policy is not None:
+            # a pipelined plain token's time; not the stretch's first token (nothing overlapped
+            # it: the probe's price counts that) nor one whose step traced a compiled shape
+            timed = traces(target) == traced and stats.generated > first_token
+            policy.update(0, 0, elapsed if timed else 0.0)
         seq.append(token)
         stats.generated += 1
         last = following is None and chosen == 0
