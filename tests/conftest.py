@@ -15,6 +15,7 @@ Each checkpoint is loaded once per session through `load` (several tests share a
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -54,6 +55,26 @@ def pytest_report_header(config):
 
     return (f"tinydraft-mlx: default device {mx.default_device()}, "
             f"BLAS {tinydraft_mlx.active_blas()}")
+
+
+_exit_status: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status["code"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave with the session's status, without the interpreter's teardown: MLX 0.32.4 aborts
+    now and then in its C++ teardown at exit when compiled steps ran on a thread other than the
+    main one (the in-process servers' generation threads; ~1 exit in 10-20, "terminate called
+    without an active exception"), which would fail a green run. `python -m
+    tinydraft_mlx.server` leaves the same way after its clean shutdown."""
+    if "code" in _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status["code"])
 
 
 def pytest_collection_modifyitems(config, items):
