@@ -19,11 +19,10 @@ Writes results/<name>.json and results/<name>.png.
 from __future__ import annotations
 
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
-import argparse
 import statistics
 from pathlib import Path
 
-from common import machine, model_dtype, pyplot, save
+from common import machine, model_dtype, pair_parser, pyplot, save
 from oracle_draft import OracleDraft
 
 from bench import PROMPTS, ours
@@ -66,14 +65,9 @@ def run_cell(target, tok, prompts, draft_for, ks, args, temp) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap = pair_parser(__doc__.splitlines()[0], prompts=4, max_tokens=64)
     ap.add_argument("--temps", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.0, 0.5, 0.9])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default="auto")
     args = ap.parse_args()

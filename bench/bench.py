@@ -14,14 +14,13 @@ to the last, so prefill is excluded the same way for ours and mlx-lm's.
 from __future__ import annotations
 
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
-import argparse
 import os
 import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, model_dtype, pyplot, save
+from common import machine, model_dtype, pair_parser, pyplot, save
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
@@ -175,12 +174,7 @@ def cell(target, draft, tok, prompts, references, alpha, k, temp, args, *, costs
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap = pair_parser(__doc__.splitlines()[0], prompts=6, max_tokens=96)
     ap.add_argument("--temp", type=float, nargs="+", default=[0.0])
     ap.add_argument("--oracle-alpha", type=float, nargs="*", default=[])
     ap.add_argument("--seed", type=int, default=0)

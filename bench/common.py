@@ -3,6 +3,7 @@ that imports mlx.core: importing tinydraft_mlx first lets its BLAS preload take 
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 from pathlib import Path
@@ -55,3 +56,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def pair_parser(description: str, *, prompts: int, max_tokens: int) -> argparse.ArgumentParser:
+    """A parser with the flags the pair benchmarks share: --target and --draft (default: the demo
+    pair), --ks, --prompts, --max-tokens."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    return ap
