@@ -468,8 +468,8 @@ def _propose(
     processors: Sequence[Processor] = (),
 ) -> tuple[mx.array, mx.array | None]:
     """Up to k draft tokens (k,) and, when sampling, their distributions q (k, V): from the
-    n-gram index (point masses), or from the draft model, which first catches up on what it has
-    not seen (after plain rounds of k="auto": like a prefill; see `_catch_up`)."""
+    n-gram index (point masses), or from the draft model, which must have seen all of `seq` but
+    its last 2 tokens (after plain rounds of k="auto" the caller runs `_catch_up` first)."""
     empty = mx.zeros((0,), dtype=mx.int32), None
     if k == 0:
         return empty
@@ -479,7 +479,6 @@ def _propose(
             return empty
         drafts = mx.array(proposal, dtype=mx.int32)
         return drafts, None if sampling.greedy else _point_mass(drafts, target_width)
-    _catch_up(model, draft_cache, seq)
     unseen = seq[cache_length(draft_cache) :]
     return _draft_chain(model, draft_cache, unseen, k, sampling, key, history, processors,
                         target_width)
