@@ -41,16 +41,16 @@ PROMPTS = [
 ]
 
 
-def _decode_rate(items) -> tuple[list[int], float, list]:
-    """Consume (token id, extra) pairs as they are produced; return ids, decode tokens/s (first
-    token to last) and the extras."""
-    ids, extras, first = [], [], None
+def decode_rate(items) -> tuple[list[int], float, list]:
+    """Consume (token id, extra) pairs as they are produced; return ids, decode tokens/s (from
+    the first token to the last, so prefill and the generator's end are left out) and the
+    extras."""
+    ids, extras, stamps = [], [], []
     for token, extra in items:
-        if first is None:
-            first = time.perf_counter()
+        stamps.append(time.perf_counter())
         ids.append(token)
         extras.append(extra)
-    elapsed = time.perf_counter() - first
+    elapsed = stamps[-1] - stamps[0] if stamps else 0.0
     return ids, (len(ids) - 1) / elapsed if elapsed > 0 else 0.0, extras
 
 
@@ -62,7 +62,7 @@ def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed, compiled=True):
     try:
         steps = stream_generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
                                 temperature=temp, seed=seed)
-        out, rate, tokens = _decode_rate((r.token, r) for r in steps)
+        out, rate, tokens = decode_rate((r.token, r) for r in steps)
     finally:
         if saved is None:
             del os.environ[COMPILE_ENV]
@@ -94,11 +94,11 @@ def _theirs(target, draft, ids, *, k, max_tokens, temp, seed):
     if draft is None:
         gen = generate_step(mx.array(ids), target, max_tokens=max_tokens, sampler=sampler,
                             stream=generation_stream())
-        return _decode_rate((int(t), False) for t, _ in gen)
+        return decode_rate((int(t), False) for t, _ in gen)
     gen = speculative_generate_step(mx.array(ids), target, draft, stream=generation_stream(),
                                     num_draft_tokens=k,
                                     max_tokens=max_tokens, sampler=sampler)
-    return _decode_rate((int(t), bool(fd)) for t, _, fd in gen)
+    return decode_rate((int(t), bool(fd)) for t, _, fd in gen)
 
 
 def mlx_lm_acceptance(from_draft: list[bool], k: int, max_tokens: int) -> float:

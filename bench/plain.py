@@ -15,7 +15,6 @@ from __future__ import annotations
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +22,7 @@ from common import machine, model_dtype, pyplot, save
 from demo_quality import held_out_prompts
 from mlx_lm.generate import generate_step
 
+from bench import decode_rate
 from tinydraft_mlx import load_models, stream_generate
 from tinydraft_mlx.backend import generation_stream
 from tinydraft_mlx.speculative import decode
@@ -30,29 +30,21 @@ from tinydraft_mlx.speculative import decode
 
 def ours(target, tok, ids: list[int], n: int) -> tuple[float, list[int]]:
     """Our token loop (`speculative.decode`, as `generate_step` is mlx-lm's): no text layer."""
-    stamps, out = [], []
-    for t in decode(target, None, ids, max_tokens=n):
-        stamps.append(time.perf_counter())
-        out.append(t.id)
-    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
+    out, rate, _ = decode_rate((t.id, None) for t in decode(target, None, ids, max_tokens=n))
+    return rate, out
 
 
 def ours_text(target, tok, ids: list[int], n: int) -> tuple[float, list[int]]:
     """`stream_generate`: the loop plus the text layer (detokenizer, responses)."""
-    stamps, out = [], []
-    for r in stream_generate(target, None, tok, ids, max_tokens=n):
-        stamps.append(time.perf_counter())
-        out.append(r.token)
-    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
+    out, rate, _ = decode_rate((r.token, None) for r in stream_generate(target, None, tok, ids,
+                                                                         max_tokens=n))
+    return rate, out
 
 
 def theirs(target, ids: list[int], n: int) -> tuple[float, list[int]]:
-    stamps, out = [], []
-    for token, _ in generate_step(mx.array(ids), target, max_tokens=n,
-                                  stream=generation_stream()):
-        stamps.append(time.perf_counter())
-        out.append(int(token))
-    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
+    out, rate, _ = decode_rate((int(t), None) for t, _ in generate_step(
+        mx.array(ids), target, max_tokens=n, stream=generation_stream()))
+    return rate, out
 
 
 def main() -> None:
