@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from tinydraft_mlx import forward as forward_module
 from tinydraft_mlx import skinny
 from tinydraft_mlx.cache import make_cache, rollback
 from tinydraft_mlx.forward import COMPILE_ENV, buffer_size, forward, traces
@@ -70,9 +71,9 @@ def test_decode_gives_the_same_tokens_compiled_or_eager(pair, monkeypatch, k):
         return [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
                                      max_tokens=80)]
 
-    before = traces(target)
+    forward_module.reset(target)
     compiled = run()
-    assert traces(target) >= before and traces(target) > 0
+    assert traces(target) > 0  # this run traced: the compiled step is what ran
     monkeypatch.setenv(COMPILE_ENV, "0")
     assert traces(target) == 0  # off: nothing compiled is used
     eager = run()
@@ -143,3 +144,40 @@ def test_policy_books_acceptance_but_not_the_time_of_an_untimed_round():
     assert policy.rejected[1] == 1.0
     policy.update(2, 2, 0.010)  # the first timed round is the estimate, not half of it
     assert policy.round_seconds[2] == pytest.approx(0.010)
+
+
+@pytest.mark.parametrize("how", ["assign", "update"])
+def test_a_weight_changed_after_tracing_is_used_by_the_compiled_step(load, how):
+    """Generate (tracing the step), change a weight, generate again: the compiled decode equals
+    the eager decode of the changed model, and differs from the unchanged model's output (so
+    the change matters). A step that closes over the weights would replay the old ones."""
+    from tinydraft_mlx.loading import DEMO_DIR
+
+    target, _, tok = load(str(DEMO_DIR / "target"), "none")
+    ids = tok.encode(PROMPT)
+
+    def run(compiled: bool) -> list[int]:
+        import os
+
+        before = os.environ.get(COMPILE_ENV)
+        os.environ[COMPILE_ENV] = "1" if compiled else "0"
+        try:
+            return [t.id for t in decode(target, None, ids, max_tokens=24)]
+        finally:
+            os.environ.pop(COMPILE_ENV) if before is None else os.environ.update(
+                {COMPILE_ENV: before})
+
+    original = target.model.embed_tokens.weight
+    old = run(compiled=True)
+    assert traces(target) > 0
+    changed = original * 0.5 + mx.random.normal(original.shape, key=mx.random.key(0)) * 0.05
+    try:
+        if how == "assign":
+            target.model.embed_tokens.weight = changed
+        else:
+            target.update({"model": {"embed_tokens": {"weight": changed}}})
+        new_compiled, new_eager = run(compiled=True), run(compiled=False)
+    finally:
+        target.model.embed_tokens.weight = original
+    assert new_compiled == new_eager and new_compiled != old
+    assert run(compiled=True) == old  # and back

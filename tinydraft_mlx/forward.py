@@ -15,7 +15,9 @@ size), cached per model for the life of the process. The caches stay mlx-lm `KVC
 
 Same arithmetic as the eager forward up to float rounding (the masked tail contributes exactly
 zero; max |logit difference| 5.7e-6 on logits up to 10, float32, over 150 random steps with
-rollbacks). Used for Qwen2 models (the architecture the tests check) on one process with
+rollbacks). The model's parameters are inputs of the compiled step, read at every call, so
+weights changed after a trace (`model.update`, fused adapters) are used as the eager forward uses
+them. Used for Qwen2 models (the architecture the tests check) on one process with
 unbounded caches; everything else (other architectures, bounded or quantized caches,
 tensor-parallel ranks, TINYDRAFT_COMPILE=0) runs the eager forward.
 """
@@ -84,7 +86,10 @@ class _Compiled:
             logits = model(tokens, cache=slots)
             return logits, [s.keys for s in slots], [s.values for s in slots]
 
-        self.step = mx.compile(step)
+        # the parameters are inputs, read at every call: a closure's arrays would be frozen into
+        # the trace as constants, so a weight changed later (model.update, adapters, training)
+        # would be ignored by decode steps while the eager prefill used it
+        self.step = mx.compile(step, inputs=model.state)
         self.shapes: set[tuple[int, int]] = set()
 
 
