@@ -84,8 +84,8 @@ def test_cli_plain_decoding_from_stdin(checkpoints):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--temp", "-1"], "--temp must be >= 0 (got -1.0)"),
-        (["--temp", "warm"], "--temp must be >= 0 (got 'warm')"),
+        (["--temp", "-1"], "--temp must be 0 (greedy) or in [1e-06, 1e+06] (got -1.0)"),
+        (["--temp", "warm"], "--temp must be 0 (greedy) or in [1e-06, 1e+06] (got 'warm')"),
         (["--top-p", "0"], "--top-p must be in (0, 1] (got 0.0)"),
         (["--top-p", "1.01"], "--top-p must be in (0, 1] (got 1.01)"),
         (["--top-k", "-3"], "--top-k must be an integer >= 0 (got -3)"),

@@ -241,7 +241,9 @@ BAD_CALLS = [
     (dict(draft="lookup"), 'draft must be a model, "prompt-lookup", "none" or None'),
     (dict(k=2.0), "k must be an integer"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), "temperature must be 0 (greedy) or in [1e-06, 1e+06] (got -1.0)"),
+    (dict(temperature=1e-39), "temperature must be 0 (greedy) or in [1e-06, 1e+06] (got 1e-39)"),
+    (dict(temperature=1e300), "temperature must be 0 (greedy) or in [1e-06, 1e+06]"),
     (dict(top_p=0.0), "top_p must be in (0, 1]"),
     (dict(top_k=-2), "top_k must be an integer >= 0"),
     (dict(min_p=1.0), "min_p must be in [0, 1)"),
@@ -255,16 +257,33 @@ BAD_CALLS = [
     (dict(prompt=[{"role": "user", "content": "hi"}]), "this tokenizer has none"),
     (dict(stop=""), "stop must be a non-empty string or a list of non-empty strings"),
     (dict(stop=["a", 3]), "stop must be a non-empty string or a list of non-empty strings"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty must be a finite number >= 0.0"),
-    (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty must be a number in [1e-06, 1e+06]"),
+    (dict(repetition_penalty=0), "repetition_penalty must be a number in [1e-06, 1e+06] (got 0)"),
+    (dict(presence_penalty=float("nan")), "presence_penalty must be a number in [-1e+06, 1e+06]"),
+    (dict(frequency_penalty=1e300), "frequency_penalty must be a number in [-1e+06, 1e+06]"),
     (dict(frequency_context_size=0), "frequency_context_size must be an integer >= 1"),
     (dict(logit_bias={448: 1.0}), "logit_bias token id must be an integer in [0, 447]"),
-    (dict(logit_bias={3: "big"}), "logit_bias value must be a finite number"),
+    (dict(logit_bias={3: "big"}), "logit_bias value must be a number in [-1e+09, 1e+09]"),
+    (dict(logit_bias={3: 1e39}), "logit_bias value must be a number in [-1e+09, 1e+09] (got 1e+39)"),
     (dict(logit_bias=[3, 1.0]), "logit_bias must be a dict of token id -> bias"),
     (dict(logits_processors=[3]), "logits_processors must be a list of callables"),
     (dict(prompt_progress_callback=1), "prompt_progress_callback must be a callable"),
     (dict(prompt_cache="cache.safetensors"), "prompt_cache must be a PromptCache"),
 ]
+
+
+def test_the_extremes_of_the_allowed_ranges_give_real_tokens(pair):
+    """At the edges of the ranges (the smallest temperature, the largest logit bias) the
+    distributions stay finite: the smallest temperature samples the greedy path (the fixture's
+    margins are far above 1e-6 x the logits' spread), the largest bias forces its token. Beyond
+    them float32 overflowed and every token came out as one id (NaN distributions)."""
+    target, draft, tok = pair
+    greedy, _ = generate(target, draft, tok, PROMPT, k=3, max_tokens=24)
+    cold, _ = generate(target, draft, tok, PROMPT, k=3, max_tokens=24, temperature=1e-6, seed=1)
+    assert cold == greedy and len(set(greedy)) > 5
+    forced, _ = generate(target, draft, tok, PROMPT, k=3, max_tokens=8, temperature=1.0, seed=2,
+                         logit_bias={17: 1e9})
+    assert forced == [17] * 8
 
 
 @pytest.mark.parametrize("kwargs, message", BAD_CALLS)

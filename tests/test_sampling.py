@@ -47,8 +47,9 @@ def test_greedy_has_no_warp():
 @pytest.mark.parametrize(
     "field, value, allowed",
     [
-        ("temperature", -0.1, ">= 0"),
-        ("temperature", float("inf"), ">= 0"),
+        ("temperature", -0.1, "0 (greedy) or in [1e-06, 1e+06]"),
+        ("temperature", float("inf"), "0 (greedy) or in [1e-06, 1e+06]"),
+        ("temperature", 1e-38, "0 (greedy) or in [1e-06, 1e+06]"),
         ("top_p", 0.0, "in (0, 1]"),
         ("top_p", 1.5, "in (0, 1]"),
         ("top_k", -1, "integer >= 0"),
@@ -56,7 +57,7 @@ def test_greedy_has_no_warp():
         ("min_p", 1.0, "in [0, 1)"),
         ("min_p", -0.2, "in [0, 1)"),
         ("seed", -1, "integer in [0,"),
-        ("temperature", "hot", ">= 0"),
+        ("temperature", "hot", "0 (greedy) or in [1e-06, 1e+06]"),
     ],
 )
 def test_out_of_range_names_parameter_range_and_value(field, value, allowed):

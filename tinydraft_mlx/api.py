@@ -24,6 +24,11 @@ from .stats import GenerationStats
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
 
 MAX_DRAFT_TOKENS = 64
+# Bounds that keep processed logits finite in float32 at any allowed temperature (a logit_bias of
+# 1e39 is a finite Python float but inf in float32: NaN distributions)
+MAX_LOGIT_BIAS = 1e9
+MAX_PENALTY = 1e6
+MIN_REPETITION_PENALTY = 1e-6
 
 
 def eos_ids(tokenizer: Any) -> frozenset[int]:
@@ -58,11 +63,10 @@ def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | P
     return draft
 
 
-def _check_float(name: str, value: object, low: float | None = None) -> None:
-    """ParameterError unless `value` is None or a finite number (>= `low` when given)."""
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    """ParameterError unless `value` is None or a number in [low, high]."""
     if value is not None:
-        allowed = "a finite number" + ("" if low is None else f" >= {low}")
-        check_float(name, value, lambda v: low is None or v >= low, allowed)
+        check_float(name, value, lambda v: low <= v <= high, f"a number in [{low:g}, {high:g}]")
 
 
 def build_processors(
@@ -78,14 +82,15 @@ def build_processors(
     logit_bias: dict[int, float] | None,
 ) -> list[Processor]:
     """The user's processors followed by mlx-lm's `make_logits_processors` for the convenience
-    arguments (mlx-lm's semantics and defaults: None or 0 turns a penalty off)."""
+    arguments (mlx-lm's semantics and defaults: None turns a penalty off, and so does 0 for the
+    presence and frequency penalties; repetition_penalty must be > 0, 1 is neutral)."""
     processors = list(logits_processors or [])
     if not all(callable(p) for p in processors):
         raise ParameterError("logits_processors", "a list of callables f(tokens, logits)",
                              logits_processors)
-    _check_float("repetition_penalty", repetition_penalty, 0.0)
-    _check_float("presence_penalty", presence_penalty)
-    _check_float("frequency_penalty", frequency_penalty)
+    _check_float("repetition_penalty", repetition_penalty, MIN_REPETITION_PENALTY, MAX_PENALTY)
+    _check_float("presence_penalty", presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _check_float("frequency_penalty", frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     for name, size in [("repetition_context_size", repetition_context_size),
                        ("presence_context_size", presence_context_size),
                        ("frequency_context_size", frequency_context_size)]:
@@ -96,7 +101,7 @@ def build_processors(
         top = vocab_size - 1 if vocab_size is not None else None
         for token, bias in logit_bias.items():
             check_int("logit_bias token id", token, 0, top)
-            _check_float("logit_bias value", bias)
+            _check_float("logit_bias value", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return processors + make_logits_processors(
         logit_bias=logit_bias, repetition_penalty=repetition_penalty,
         repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+# Temperatures outside [MIN, MAX] (but 0) overflow float32 on the way to a distribution: logits
+# divided by 1e-38 become inf and every probability NaN (every token then came out as one id).
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
 
 class ParameterError(ValueError):
     """A parameter outside its allowed range. Keeps the parts so a CLI can name its own flag."""
@@ -52,7 +56,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        check_float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
+        check_float("temperature", self.temperature,
+                    lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+                    f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         check_float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         check_int("top_k", self.top_k, 0)
         check_float("min_p", self.min_p, lambda v: 0 <= v < 1, "in [0, 1)")
