@@ -144,3 +144,43 @@ def test_catch_up_prices_the_switch_not_sustained_drafting(alpha):
         tokens += n + 1
         seconds += cost(k) + catch_up
     assert tokens / seconds >= 0.95 * best_rate(alpha, cost)
+
+
+def test_shared_policy_keeps_costs_per_pair_and_acceptance_per_sampling_regime():
+    """Acceptance learned greedily must not steer sampled requests (on the server, T = 0
+    acceptance steered T = 1 requests for tens of rounds); costs are the pair's, whatever the
+    sampling."""
+    from tinydraft_mlx.policy import MAX_REGIMES, shared_policy
+
+    class Model:
+        pass
+
+    target, draft = Model(), Model()
+    greedy = shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0))
+    for _ in range(20):
+        greedy.update(4, 4, 0.004)  # everything accepted at T = 0
+    greedy.update(0, 0, 0.001)
+    hot = shared_policy(target, draft, 0.25, (1.0, 1.0, 0, 0.0))
+    assert hot is not greedy
+    assert hot.round_seconds == {4: pytest.approx(0.004), 0: pytest.approx(0.001)}  # shared
+    assert sum(hot.accepted) == sum(hot.rejected) == 0  # its own acceptance: nothing yet
+    assert min(greedy.acceptance_means()) > 0.8
+    hot.update(1, 0, 0.002, catch_up=0.5)
+    assert greedy.switch_seconds == 0.5 and 1 in greedy.round_seconds
+    assert greedy.accepted[0] > 0 and greedy.rejected[0] == 0  # T = 1's rejection stays there
+    assert shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0)) is greedy
+    for i in range(MAX_REGIMES):
+        shared_policy(target, draft, 0.25, (0.5 + i, 1.0, 0, 0.0))
+    assert shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0)) is not greedy  # bounded
+
+
+def test_generations_at_different_temperatures_get_their_own_acceptance(pair):
+    from tinydraft_mlx import generate
+
+    target, draft, tok = pair
+    _, cold = generate(target, draft, tok, "def f(x):", k="auto", max_tokens=16)
+    _, cold_again = generate(target, draft, tok, "def g(y):", k="auto", max_tokens=16)
+    _, hot = generate(target, draft, tok, "def f(x):", k="auto", max_tokens=16,
+                      temperature=1.0, seed=0)
+    assert cold.policy is cold_again.policy  # learning carries over within a regime
+    assert hot.policy is not cold.policy and hot.policy.costs is cold.policy.costs

@@ -22,15 +22,34 @@ The first round is plain (it measures R(0)).
 When plain decoding wins, speculation is still probed now and then, so that a later easy stretch
 (or a cost estimate spoiled by a noisy round) is not missed: a probe is taken once its expected
 loss fits in `probe_budget` (2%) of the time spent in plain rounds since the last probe.
+
+What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
+(`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
+once per sampling regime (temperature, top-p, top-k, min-p), since acceptance learned at T = 0
+says little about T = 1.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
 
 AUTO = "auto"
 AUTO_MAX_K = 8
+MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
+
+
+class RoundCosts:
+    """Measured round costs of a (target, draft) pair, whatever the sampling: per k a moving
+    average of a round's wall time and how many rounds were timed, and the draft's catch-up
+    when drafting resumes after plain rounds (the price of a switch)."""
+
+    def __init__(self) -> None:
+        self.round_seconds: dict[int, float] = {}
+        self.timed: Counter[int] = Counter()
+        self.switch_seconds = 0.0
+        self.switches = 0
 
 
 class DraftLengthPolicy:
@@ -45,6 +64,7 @@ class DraftLengthPolicy:
         smoothing: float = 0.3,
         prior_strength: float = 2.0,
         probe_budget: float = 0.02,
+        costs: RoundCosts | None = None,
     ) -> None:
         self.k_max = k_max
         self.draft_ratio = draft_ratio
@@ -53,14 +73,29 @@ class DraftLengthPolicy:
         self.prior_strength = prior_strength
         self.accepted = [0.0] * k_max  # discounted counts per draft position
         self.rejected = [0.0] * k_max
-        self.round_seconds: dict[int, float] = {}  # k -> moving average of a round's wall time
+        self.costs = RoundCosts() if costs is None else costs  # may be shared by policies
+        # k -> moving average of a round's wall time; rounds per k whose wall time was booked
+        self.round_seconds, self.timed = self.costs.round_seconds, self.costs.timed
         self.probe_budget = probe_budget
         self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
         self.chosen: Counter[int] = Counter()
-        self.timed: Counter[int] = Counter()  # rounds per k whose wall time was booked
-        # moving average of the draft's catch-up when drafting resumes after plain rounds
-        self.switch_seconds = 0.0
-        self.switches = 0
+
+    @property
+    def switch_seconds(self) -> float:
+        """Moving average of the draft's catch-up when drafting resumes after plain rounds."""
+        return self.costs.switch_seconds
+
+    @switch_seconds.setter
+    def switch_seconds(self, value: float) -> None:
+        self.costs.switch_seconds = value
+
+    @property
+    def switches(self) -> int:
+        return self.costs.switches
+
+    @switches.setter
+    def switches(self, value: int) -> None:
+        self.costs.switches = value
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -168,22 +203,44 @@ class DraftLengthPolicy:
         self.round_seconds[k] = old + weight * (seconds - old)
 
 
-_SHARED: dict[tuple[int, object], tuple[weakref.ref, weakref.ref | None, DraftLengthPolicy]] = {}
+class _Pair:
+    """What a (target, draft) pair has learned: its costs, and a policy per sampling regime."""
+
+    def __init__(self, target: object, draft: object) -> None:
+        self.target = weakref.ref(target)
+        self.draft = None if isinstance(draft, str) else weakref.ref(draft)
+        self.costs = RoundCosts()
+        self.policies: OrderedDict[Hashable, DraftLengthPolicy] = OrderedDict()
+
+    def alive(self) -> bool:
+        return self.target() is not None and (self.draft is None or self.draft() is not None)
+
+    def holds(self, target: object, draft: object) -> bool:
+        return self.target() is target and (self.draft is None or self.draft() is draft)
 
 
-def shared_policy(target: object, draft: object, draft_ratio: float) -> DraftLengthPolicy:
-    """The policy of a (target, draft) pair, kept while both exist: later generations start from
-    the costs and acceptance measured by earlier ones instead of learning them again. `draft` is
-    the draft model object, or a string naming a model-free drafter and its settings."""
-    for key in [k for k, (t, d, _) in _SHARED.items() if t() is None or (d and d() is None)]:
+_SHARED: dict[tuple[int, object], _Pair] = {}
+
+
+def shared_policy(target: object, draft: object, draft_ratio: float,
+                  regime: Hashable = None) -> DraftLengthPolicy:
+    """The policy of a (target, draft) pair for one sampling `regime` (e.g. the tuple of
+    temperature, top-p, top-k and min-p), kept while both models exist: later generations start
+    from what earlier ones measured instead of learning it again. Costs are shared by every
+    regime of the pair, acceptance is the regime's own. `draft` is the draft model object, or a
+    string naming a model-free drafter and its settings."""
+    for key in [k for k, pair in _SHARED.items() if not pair.alive()]:
         del _SHARED[key]  # pairs that no longer exist
-    named = isinstance(draft, str)
-    key = (id(target), draft if named else id(draft))
-    entry = _SHARED.get(key)
-    if entry is None or entry[0]() is not target or (not named and entry[1]() is not draft):
-        entry = (weakref.ref(target), None if named else weakref.ref(draft),
-                 DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio))
-        _SHARED[key] = entry
-    policy = entry[2]
+    key = (id(target), draft if isinstance(draft, str) else id(draft))
+    pair = _SHARED.get(key)
+    if pair is None or not pair.holds(target, draft):
+        pair = _SHARED[key] = _Pair(target, draft)
+    policy = pair.policies.get(regime)
+    if policy is None:
+        policy = pair.policies[regime] = DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio,
+                                                           costs=pair.costs)
+        while len(pair.policies) > MAX_REGIMES:
+            pair.policies.popitem(last=False)
+    pair.policies.move_to_end(regime)
     policy.plain_seconds = 0.0
     return policy

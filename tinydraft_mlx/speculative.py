@@ -278,7 +278,8 @@ def decode(
             draft_prefill = stats.prefill_seconds - target_prefill
             ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
             draft_key = repr(lookup) if lookup is not None else model
-            policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)))
+            regime = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+            policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)), regime)
             stats.policy = policy
         eos = frozenset(eos_token_ids)
         try:
