@@ -24,7 +24,7 @@ import openai
 import pytest
 import uvicorn
 
-from tinydraft_mlx import load_models, stream_generate
+from tinydraft_mlx import limits, load_models, stream_generate
 from tinydraft_mlx.server import Defaults, create_app
 from tinydraft_mlx.worker import Worker
 
@@ -37,12 +37,13 @@ PROMPTS = ["def parse_args(", "class Config:", "import os\n", "for i in range(",
 class Served:
     """An app served by uvicorn on a free 127.0.0.1 port, in a thread of this process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **limits_kwargs) -> None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        config = limits.config(app, log_level="warning", timeout_graceful_shutdown=5,
+                               **limits_kwargs)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)
@@ -57,7 +58,9 @@ class Served:
         self.thread.join(30)
 
     def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=10).json()
+        r = httpx.get(f"{self.url}/health", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,

@@ -22,7 +22,13 @@ from .worker import Piece
 # -- requests ------------------------------------------------------------------------------------
 
 
+# Strict types, as OpenAI's API: `max_tokens: "3"`, `2.0` or `true`, `temperature: "0.7"`,
+# `stream: "yes"`, `prompt: [true, false]` are errors, not converted; an integer is a number.
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
@@ -30,7 +36,7 @@ class _Request(BaseModel):
     """Fields shared by both endpoints; None means the server's default. Unknown fields are
     ignored (clients send many), but fields whose meaning we cannot honour are rejected."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -63,13 +69,13 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: str
     content: str | list[ContentPart] | None = None
 

@@ -9,7 +9,15 @@ in a bounded FIFO (503 with Retry-After beyond it), recent conversations stay in
 pool (`cache_pool.py`) so a second chat turn prefills only its new tokens.
 
 Bad input is answered with HTTP 400 and OpenAI's error body naming the field, the allowed range
-and the value; unknown models with 404; bodies over the limit with 413.
+and the value; unknown models with 404; bodies over the limit with 413. Anything else that goes
+wrong is ours: a logged 500 with the same body, and the server goes on.
+
+Hard to wedge: prompts are tokenized off the event loop, one at a time (`/health` and the
+streams keep flowing), after cheap checks that bound the work (fields first; a text longer than
+the context could hold is refused untokenized); a client that hangs up, streaming or not, ends
+its generation within a round; connections that send no complete request within
+`header_timeout` are closed, bodies must arrive within `body_timeout`, at most
+`max_connections` are open at once; repeated log records are rate-limited (`limits.py`).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import limits
 from . import openai_schema as oa
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cache import KEEP
@@ -42,14 +52,14 @@ from .lookup import NO_DRAFT, PROMPT_LOOKUP
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from .sampling import ParameterError, SamplingParams, check_int
 from .speculative import vocab_width
-from .text import chat_ids, check_stop, prompt_ids
-from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker
+from .text import chat_text, check_stop, prompt_ids
+from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
 DRAFT_MODEL = "model"
 DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, NO_DRAFT)
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 8 << 20
-POLL_SECONDS = 0.25  # how often a waiting non-streaming request checks that its client is there
+BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive
 
 log = logging.getLogger("tinydraft_mlx.server")
 
@@ -118,11 +128,31 @@ class Service:
         args = getattr(worker.target, "args", None)
         self.context = getattr(args, "max_position_embeddings", None)
         self.vocab = vocab_width(worker.target)
+        # the longest token, in characters (byte-level BPE: a vocabulary entry has one character
+        # per byte, so none decodes to more): a text longer than limit x this cannot fit
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        self.token_chars = max(map(len, vocab), default=0) or None
+        self._planning = asyncio.Semaphore(1)  # one tokenization at a time, off the loop
+        self._planners = 0  # requests planning or waiting to
 
     # -- validation ------------------------------------------------------------------------------
 
+    async def plan_off_loop(self, req: CompletionRequest | ChatCompletionRequest,
+                            chat: bool) -> Plan:
+        """`plan` on a worker thread, one request at a time (tokenizing a long prompt takes
+        seconds); 503 when more requests than the queue holds are already waiting to."""
+        if self._planners >= self.worker.max_queue:
+            raise _busy(f"{self._planners} requests are being tokenized or waiting to", 1)
+        self._planners += 1
+        try:
+            async with self._planning:
+                return await asyncio.to_thread(self.plan, req, chat)
+        finally:
+            self._planners -= 1
+
     def plan(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> Plan:
-        """Check every field and build the job's inputs; APIError (400/404) for bad input."""
+        """Check every field and build the job's inputs; APIError (400/404) for bad input. The
+        cheap checks come first, the prompt's tokenization last."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves "
                            f"{self.model_name!r} (GET /v1/models)", param="model",
@@ -130,12 +160,7 @@ class Service:
         if req.n not in (None, 1):
             raise _bad("n", f"n must be 1: one completion per request (got {req.n!r})")
         _reject_unsupported(req, chat)
-        ids = self._chat_prompt(req) if chat else self._text_prompt(req)
-        limit_name, limit = self._context_limit()
-        if limit is not None and len(ids) >= limit:
-            raise _bad("messages" if chat else "prompt",
-                       f"the prompt has {len(ids)} tokens; {limit_name} is {limit}, so it must "
-                       f"have at most {limit - 1}", code="context_length_exceeded")
+        _check_unicode(req.model_dump(exclude_none=True))
         draft = self._draft(req.draft)
         k = self.defaults.k if req.num_draft_tokens is None else req.num_draft_tokens
         max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
@@ -143,7 +168,6 @@ class Service:
         max_tokens = getattr(req, max_name)
         options = {
             "k": k,
-            "max_tokens": self.defaults.max_tokens if max_tokens is None else max_tokens,
             "temperature": (self.defaults.temperature if req.temperature is None
                             else req.temperature),
             "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -159,15 +183,45 @@ class Service:
         try:
             SamplingParams(options["temperature"], options["top_p"], options["top_k"],
                            options["min_p"], options["seed"])
-            if draft != NO_DRAFT:
-                check_k(k)
-            check_int("max_tokens", options["max_tokens"], 1)
+            check_k(k)  # checked whatever the draft: a bad value is an error, never ignored
+            if max_tokens is not None:
+                check_int("max_tokens", max_tokens, 1)
             check_stop(options["stop"])
         except ParameterError as err:
             raise _parameter_error(err, {"max_tokens": max_name}) from None
+        logprobs = self._logprobs(req, chat)
+        ids = self._chat_prompt(req) if chat else self._text_prompt(req)
+        options["max_tokens"] = self._max_tokens(len(ids), max_tokens, max_name, chat)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Plan(ids, draft, options, self._logprobs(req, chat), req.stream, include_usage,
-                    chat)
+        return Plan(ids, draft, options, logprobs, req.stream, include_usage, chat)
+
+    def _max_tokens(self, n: int, asked: int | None, name: str, chat: bool) -> int:
+        """max_tokens for a prompt of n tokens: the prompt must fit the KV bound or the context,
+        and prompt + max_tokens the context (the default is cut to what is left of it)."""
+        limit_name, limit = self._context_limit()
+        if limit is not None and n >= limit:
+            raise _bad("messages" if chat else "prompt",
+                       f"the prompt has {n} tokens; {limit_name} is {limit}, so it must "
+                       f"have at most {limit - 1}", code="context_length_exceeded")
+        if asked is None:
+            default = self.defaults.max_tokens
+            return default if self.context is None else max(1, min(default, self.context - n))
+        if self.context is not None and n + asked > self.context:
+            raise _bad(name, f"the prompt has {n} tokens and {name} is {asked}: {n + asked} in "
+                       f"all, more than the model's context length {self.context}",
+                       code="context_length_exceeded")
+        return asked
+
+    def _check_length(self, text: str, param: str) -> None:
+        """Refuse, untokenized, a text too long for any tokenization of it to fit."""
+        limit_name, limit = self._context_limit()
+        if limit is None or self.token_chars is None:
+            return
+        most = limit * self.token_chars
+        if len(text) > most:
+            raise _bad(param, f"the prompt has {len(text)} characters; {limit_name} is {limit} "
+                       f"tokens of at most {self.token_chars} characters, so it must have at "
+                       f"most {most}", code="context_length_exceeded")
 
     def _text_prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -178,12 +232,12 @@ class Service:
                 raise _bad("prompt", f"one prompt per request (got a list of {len(prompt)} "
                            "strings)")
             prompt = prompt[0]
+        if isinstance(prompt, str):
+            self._check_length(prompt, "prompt")
         try:
             return prompt_ids(self.tokenizer, prompt, self.vocab)
         except ParameterError as err:
             raise _parameter_error(err) from None
-        except ValueError as err:
-            raise _bad("prompt", str(err)) from None
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
@@ -203,9 +257,16 @@ class Service:
             raise _bad("messages", "this model's tokenizer has no chat template: use "
                        "/v1/completions, or start the server with --chat-template")
         try:
-            return chat_ids(self.tokenizer, messages)
-        except ValueError as err:
-            raise _bad("messages", str(err)) from None
+            text = chat_text(self.tokenizer, messages)
+        except ParameterError as err:
+            raise _parameter_error(err) from None
+        except TemplateError as err:  # the template refused the messages (e.g. role order)
+            raise _bad("messages", f"the chat template refused the messages: {err}") from None
+        self._check_length(text, "messages")
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise _bad("messages", "the messages make an empty prompt")
+        return ids
 
     def _context_limit(self) -> tuple[str, int | None]:
         if self.worker.max_kv_size is not None:
@@ -260,7 +321,9 @@ class Service:
         return self.worker.draft if draft == DRAFT_MODEL else draft
 
     async def run(self, request: Request, plan: Plan) -> Response:
-        """Queue the job, wait for it to start, answer (JSON or an SSE stream)."""
+        """Queue the job, wait for it to start, answer (JSON or an SSE stream). Until the SSE
+        response takes over the connection, a watcher ends the job as soon as the client hangs
+        up, whether tokens are flowing or not."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -274,31 +337,32 @@ class Service:
         try:
             self.worker.submit(job)
         except QueueFull as err:
-            raise APIError(503, f"{err}: {self.worker.waiting} requests are waiting (--max-queue)",
-                           code="server_busy", kind="server_error",
-                           headers={"Retry-After": str(err.retry_after)}) from None
+            raise _busy(f"{err}: {self.worker.waiting} requests are waiting (--max-queue)",
+                        err.retry_after) from None
+        except WorkerDown as err:
+            raise APIError(503, str(err), code="worker_down", kind="server_error") from None
+        watcher = asyncio.create_task(_watch_disconnect(request, job, events))
         try:
-            first = await _next(events, request, job)
+            first = await _next(events)
+            if isinstance(first, Failed):
+                raise _failure(first.error)
+            if isinstance(first, Done):  # cancelled before it started (shutdown)
+                raise APIError(503, "the server is shutting down", code="shutting_down",
+                               kind="server_error")
+            assert isinstance(first, Started)
+            if plan.stream:
+                watcher.cancel()  # the SSE response watches its connection from here on
+                return EventSourceResponse(self._stream(events, job, plan))
+            return await self._collect(events, plan)
         except _ClientGone:
             return Response(status_code=499)
-        if isinstance(first, Failed):
-            raise _failure(first.error)
-        if isinstance(first, Done):  # cancelled before it started (shutdown)
-            raise APIError(503, "the server is shutting down", code="shutting_down",
-                           kind="server_error")
-        assert isinstance(first, Started)
-        if plan.stream:
-            return EventSourceResponse(self._stream(events, job, plan))
-        return await self._collect(events, request, job, plan)
+        finally:
+            watcher.cancel()
 
-    async def _collect(self, events: asyncio.Queue, request: Request, job: Job,
-                       plan: Plan) -> Response:
+    async def _collect(self, events: asyncio.Queue, plan: Plan) -> Response:
         pieces: list[Piece] = []
         while True:
-            try:
-                event = await _next(events, request, job)
-            except _ClientGone:
-                return Response(status_code=499)
+            event = await _next(events)
             if isinstance(event, Piece):
                 pieces.append(event)
             elif isinstance(event, Failed):
@@ -379,41 +443,78 @@ class Service:
                 choice["logprobs"] = oa.completion_logprobs(self.tokenizer, [piece], offset)
         return choice
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body): 200 and status "ok" while the generation thread runs, else 503
+        and status "error" (requests would not be served)."""
         w = self.worker
         entries, nbytes = w.cache_info
-        return {"status": "ok", "model": self.model_name, "draft": self.defaults.draft,
-                "running": w.running, "waiting": w.waiting, "requests": dict(w.counts),
-                "prompt_cache": {"entries": entries, "bytes": nbytes,
-                                 "max_bytes": w.pool.max_bytes}}
+        alive = w.alive
+        return (200 if alive else 503), {
+            "status": "ok" if alive else "error", "model": self.model_name,
+            "draft": self.defaults.draft, "worker": {"alive": alive, "errors": w.errors},
+            "running": w.running, "waiting": w.waiting, "requests": dict(w.counts),
+            "prompt_cache": {"entries": entries, "bytes": nbytes, "max_bytes": w.pool.max_bytes}}
 
 
 class _ClientGone(Exception):
     pass
 
 
-async def _next(events: asyncio.Queue, request: Request, job: Job) -> Any:
-    """The job's next event; while none comes, check every POLL_SECONDS that the client is still
-    there, and cancel the job (raise _ClientGone) when it is not."""
+_GONE = object()  # put in a job's event queue when its client hangs up
+
+
+async def _watch_disconnect(request: Request, job: Job, events: asyncio.Queue) -> None:
+    """Wait for the client to hang up (the body has been read, so the next ASGI message is the
+    disconnect); then cancel the job, which stops before its next token."""
     while True:
-        try:
-            return await asyncio.wait_for(events.get(), POLL_SECONDS)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancelled.set()
-                raise _ClientGone from None
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancelled.set()
+            events.put_nowait(_GONE)
+            return
+
+
+async def _next(events: asyncio.Queue) -> Any:
+    """The job's next event; _ClientGone when its client has hung up."""
+    event = await events.get()
+    if event is _GONE:
+        raise _ClientGone
+    return event
+
+
+def _busy(message: str, retry_after: int) -> APIError:
+    return APIError(503, message, code="server_busy", kind="server_error",
+                    headers={"Retry-After": str(retry_after)})
 
 
 def _failure(error: Exception) -> APIError:
-    """A job's error as an API error: invalid options are the client's (400), anything else is
-    ours (500, logged)."""
+    """A job's error as an API error: invalid options (a `ParameterError`, raised by the
+    library's checks) are the client's (400); anything else, a `ValueError` from deep inside
+    MLX included, is ours (500, logged)."""
     if isinstance(error, ParameterError):
         return _parameter_error(error)
-    if isinstance(error, ValueError):
-        return _bad(None, str(error))
     log.error("generation failed", exc_info=error)
     return APIError(500, f"generation failed: {type(error).__name__}: {error}",
                     kind="server_error", code="generation_failed")
+
+
+def _check_unicode(value: Any, where: str = "") -> None:
+    """400 for a string that is not valid Unicode (a lone surrogate such as "\\ud800", which
+    JSON can carry but UTF-8 cannot), naming the field it is in."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise _bad(where or None, f"{where or 'the request'} is not valid Unicode: "
+                       f"{err.reason} at character {err.start} "
+                       f"({value[err.start:err.end]!r})") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where)
+            _check_unicode(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}[{i}]")
 
 
 def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> None:
@@ -439,7 +540,8 @@ def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest, chat: bo
 
 
 def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None, *,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The FastAPI app serving `worker`'s models as `model_name`. The worker thread starts with
     the app and stops (waiting jobs cancelled) when it shuts down."""
     service = Service(worker, model_name, defaults or Defaults())
@@ -451,7 +553,7 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="tinydraft-mlx", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestLimits, max_bytes=max_body_bytes, body_timeout=body_timeout)
     app.state.service = service
 
     @app.exception_handler(APIError)
@@ -462,11 +564,17 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return _validation_error(err).response()
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        return APIError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error",
+                        code="internal_error").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(
-            err.status_code)
+        code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed",
+                408: "request_timeout"}.get(err.status_code)
         return APIError(err.status_code, str(err.detail), code=code, kind=kind,
                         headers=getattr(err, "headers", None)).response()
 
@@ -476,8 +584,9 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
             "static/index.html").read_text(encoding="utf-8"))
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return service.health()
+    async def health() -> JSONResponse:
+        status, body = service.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -486,21 +595,22 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await service.run(request, service.plan(body, chat=False))
+        return await service.run(request, await service.plan_off_loop(body, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await service.run(request, service.plan(body, chat=True))
+        return await service.run(request, await service.plan_off_loop(body, chat=True))
 
     return app
 
 
-class BodyLimit:
+class RequestLimits:
     """ASGI middleware: a request body over `max_bytes` gets 413 with OpenAI's error body, whether
-    its Content-Length says so up front or a chunked body grows past it while being read."""
+    its Content-Length says so up front or a chunked body grows past it while being read; a body
+    that has not fully arrived within `body_timeout` seconds gets 408."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, body_timeout: float = BODY_TIMEOUT) -> None:
+        self.app, self.max_bytes, self.body_timeout = app, max_bytes, body_timeout
 
     def _too_large(self) -> StarletteHTTPException:
         return StarletteHTTPException(413, f"the request body is larger than {self.max_bytes} "
@@ -514,18 +624,27 @@ class BodyLimit:
             err = self._too_large()
             return await APIError(413, err.detail, code="request_too_large").response()(
                 scope, receive, send)
-        seen = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
+        seen, complete = 0, False
 
-        async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
+        async def limited() -> dict:
+            nonlocal seen, complete
+            if complete:  # the body is in: what follows is the disconnect, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408, f"the request body did not arrive within "
+                                                  f"{self.body_timeout:g} s") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise self._too_large()
+                complete = not message.get("more_body", False)
             return message
 
-        await self.app(scope, counted, send)
+        await self.app(scope, limited, send)
 
 
 def _validation_error(err: RequestValidationError) -> APIError:
@@ -584,6 +703,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template (text or a file) for a tokenizer without one")
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: --target, or 'tinydraft-demo')")
+    p.add_argument("--max-connections", type=int, default=limits.MAX_CONNECTIONS,
+                   help="open connections at most; more are closed at once "
+                        f"({limits.MAX_CONNECTIONS})")
+    p.add_argument("--header-timeout", type=float, default=limits.HEADER_TIMEOUT,
+                   help="seconds a connection may take to send a request's headers; then it is "
+                        f"closed ({limits.HEADER_TIMEOUT:g})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -602,6 +727,9 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         check_int("--max-queue", args.max_queue, 1)
         check_int("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
         check_int("--max-tokens", args.max_tokens, 1)
+        check_int("--max-connections", args.max_connections, 1)
+        if not args.header_timeout > 0:
+            raise ParameterError("--header-timeout", "> 0", args.header_timeout)
         if args.max_kv_size is not None:
             check_int("--max-kv-size", args.max_kv_size, KEEP + 2)
         SamplingParams(args.temp, 1.0, 0, 0.0, None)
@@ -659,8 +787,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # clean stop exits with status 0 rather than dying by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+    limits.raise_fd_limit()
+    config = limits.config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           header_timeout=args.header_timeout,
+                           max_connections=args.max_connections, timeout_graceful_shutdown=30)
+    limits.limit_logs()  # after uvicorn's Config has set its loggers up
+    uvicorn.Server(config).run()
     if argv is None:
         # Everything is stopped and flushed by now. A process whose generation thread ran
         # compiled MLX steps aborts now and then in MLX's C++ teardown at exit ("terminate

@@ -104,7 +104,7 @@ def prompt_ids(tokenizer: Any, prompt: str | Sequence[int] | Messages,
                vocab_size: int | None = None) -> list[int]:
     """Token ids for `prompt`: a string (encoded), token ids (checked), or chat messages
     ([{"role": ..., "content": ...}, ...], through the tokenizer's chat template with the
-    generation prompt). ValueError (ParameterError) for anything else or an empty prompt."""
+    generation prompt). ParameterError for anything else or an empty prompt."""
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt)) if prompt else []
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
@@ -122,20 +122,24 @@ def prompt_ids(tokenizer: Any, prompt: str | Sequence[int] | Messages,
         allowed = "a string, a list of token ids or a list of chat messages"
         raise ParameterError("prompt", allowed, type(prompt).__name__)
     if not ids:
-        raise ValueError("prompt must contain at least one token (got an empty prompt)")
+        raise ParameterError("prompt", "at least one token", prompt)
     return ids
 
 
-def chat_ids(tokenizer: Any, messages: Messages) -> list[int]:
-    """Apply the tokenizer's chat template (with the generation prompt) and encode."""
+def chat_text(tokenizer: Any, messages: Messages) -> str:
+    """The tokenizer's chat template applied to `messages`, with the generation prompt."""
     for m in messages:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ParameterError("messages", 'dicts with string "role" and "content"', m)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat messages need a chat template; this tokenizer has none")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                          tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_ids(tokenizer: Any, messages: Messages) -> list[int]:
+    """Apply the tokenizer's chat template (with the generation prompt) and encode."""
+    return list(tokenizer.encode(chat_text(tokenizer, messages), add_special_tokens=False))
 
 
 def responses(

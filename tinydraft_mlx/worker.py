@@ -8,11 +8,16 @@ wrong: an invalid option is a `ParameterError`). Setting `job.cancelled` (a clie
 the generation before its next token, i.e. within one round; the loop is closed, so the caches
 keep exactly prompt + the tokens emitted and go back to the prompt-cache pool.
 
+Nothing a job does ends the thread: every error is reported to that job (and logged), and the
+thread takes the next one. `alive` says whether the thread runs; `submit` refuses jobs
+(`WorkerDown`) when it does not, so no request waits for a thread that is gone.
+
 Knows nothing about HTTP.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,6 +34,8 @@ from .cache_pool import PromptCachePool
 from .prompt_cache import PromptCache
 from .stats import GenerationStats
 from .text import GenerationResponse
+
+log = logging.getLogger("tinydraft_mlx.worker")
 
 
 @dataclass
@@ -92,6 +99,10 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class WorkerDown(Exception):
+    """The generation thread is not running: nothing submitted now would be served."""
+
+
 class Worker:
     """The generation thread, its bounded queue (`max_queue` waiting jobs) and its prompt-cache
     pool (`cache_bytes`; caches bounded by `max_kv_size` when given)."""
@@ -105,7 +116,9 @@ class Worker:
         self.max_kv_size = max_kv_size
         self.pool = PromptCachePool(
             lambda: PromptCache(target, draft, max_kv_size=max_kv_size), cache_bytes)
+        self.max_queue = max_queue
         self.counts: Counter[str] = Counter()  # completed, cancelled, failed
+        self.errors = 0  # errors the thread caught outside a job's generation (logged)
         self.running = False
         self.cache_info = (0, 0)  # (caches, bytes) in the pool after the latest job
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -117,11 +130,19 @@ class Worker:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the generation thread is running."""
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue `job` (FIFO); QueueFull when `max_queue` jobs are already waiting."""
+        """Queue `job` (FIFO); QueueFull when `max_queue` jobs are already waiting, WorkerDown
+        when the generation thread is not running."""
+        if not self.alive:
+            raise WorkerDown("the generation thread is not running; restart the server")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -150,10 +171,16 @@ class Worker:
             start = time.perf_counter()
             self.running = True
             try:
-                self.counts[self._generate(job)] += 1
+                outcome = self._generate(job)
+            except Exception as err:  # a bug outside the generation: this job fails, not the thread
+                self.errors += 1
+                log.error("the generation thread caught an error", exc_info=err)
+                outcome = "failed"
+                _deliver(job, Failed(err))
             finally:
                 self.running = False
-                self.cache_info = (len(self.pool), self.pool.nbytes)
+            self.counts[outcome] += 1
+            self.cache_info = (len(self.pool), self.pool.nbytes)
             self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - start)
 
     def _generate(self, job: Job) -> str:
@@ -161,9 +188,9 @@ class Worker:
         if job.cancelled.is_set():  # its client left while it waited
             job.deliver(Done(None, cancelled=True))
             return "cancelled"
-        pc = self.pool.take(job.prompt)
-        stream = None
+        pc = stream = None
         try:
+            pc = self.pool.take(job.prompt)
             stream = stream_generate(self.target, job.draft, self.tokenizer, job.prompt,
                                      prompt_cache=pc, **job.options)
             job.deliver(Started())
@@ -180,9 +207,27 @@ class Worker:
             job.deliver(Failed(err))
             return "failed"
         finally:
+            self._finish(stream, pc)
+
+    def _finish(self, stream: Any, pc: PromptCache | None) -> None:
+        """Close the stream (which rolls the caches back to prompt + emitted) and return the
+        cache to the pool; a cache whose close failed is dropped, never pooled half-updated."""
+        try:
             if stream is not None:
-                stream.close()  # rolls the caches back to prompt + emitted
+                stream.close()
+        except Exception as err:
+            self.errors += 1
+            log.error("closing a generation failed; its prompt cache is dropped", exc_info=err)
+            return
+        if pc is not None:
             self.pool.put(pc)
+
+
+def _deliver(job: Job, event: Event) -> None:
+    try:
+        job.deliver(event)
+    except Exception as err:  # the listener is broken; nothing more to tell it
+        log.error("delivering an event failed", exc_info=err)
 
 
 def _piece(response: GenerationResponse, logprobs: int | None) -> Piece:
