@@ -412,6 +412,22 @@ BAD = [
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "(got 21)"),
+    # values that overflowed float32 into NaN distributions (every token id 4095, status 200)
+    (COMPLETIONS, {"prompt": "x", "temperature": 1e-39}, "temperature", "1e-39"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1e39}}, "logit_bias", "1e+39"),
+    # strict types: nothing converted
+    (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens", "True"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "3"}, "max_tokens", "'3'"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 2.0}, "max_tokens", "2.0"),
+    (COMPLETIONS, {"prompt": "x", "temperature": "0.7"}, "temperature", "'0.7'"),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", "'yes'"),
+    (COMPLETIONS, {"prompt": [True, False]}, "prompt", "True"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "5"),
+    # checked whatever the draft
+    (COMPLETIONS, {"prompt": "x", "draft": "none", "num_draft_tokens": 0}, "num_draft_tokens",
+     "(got 0)"),
+    # prompt + max_tokens past the demo target's 4096 positions
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 5000}, "max_tokens", "context length 4096"),
 ]
 
 
@@ -451,28 +467,47 @@ def test_other_bad_requests(served, small):
     assert served.health()["status"] == "ok"
 
 
-def test_a_failing_generation_is_a_500_and_the_server_goes_on(served, models, monkeypatch):
-    """An error inside the loop (here: the tokenizer's detokenizer breaks mid-stream) answers
-    500 with the error body; the cache goes back consistent and the next request is exact."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_generation_is_a_500_and_the_server_goes_on(served, models, monkeypatch,
+                                                              stream):
+    """An error inside the loop after some tokens were generated (here the detokenizer breaks
+    at the 6th token) answers 500 with the error body (streaming: an error event after the
+    first tokens, then [DONE]); the cache goes back consistent and the next request is exact."""
     target, _, tokenizer = models
     served.wait_idle()
     text, _ = reference(models, "def parse_args(", 20)
-    calls = {"n": 0}
+    added = {"n": 0}
     original = type(tokenizer).detokenizer
 
-    class Broken:
+    class Breaking:
         def __get__(self, obj, owner=None):
             if obj is None:
                 return self
-            calls["n"] += 1
-            raise RuntimeError("detokenizer exploded")
+            detok = original.__get__(obj, owner)
+            add = detok.add_token
 
-    monkeypatch.setattr(type(tokenizer), "detokenizer", Broken())
-    r = httpx.post(served.url + COMPLETIONS, json={"prompt": "def parse_args(",
-                                                   "max_tokens": 20}, timeout=30)
+            def add_token(token):
+                added["n"] += 1
+                if added["n"] == 6:
+                    raise RuntimeError("detokenizer exploded")
+                add(token)
+
+            detok.add_token = add_token
+            return detok
+
+    monkeypatch.setattr(type(tokenizer), "detokenizer", Breaking())
+    body = {"prompt": "def parse_args(", "max_tokens": 20, "stream": stream}
+    r = httpx.post(served.url + COMPLETIONS, json=body, timeout=30)
     monkeypatch.setattr(type(tokenizer), "detokenizer", original)
-    assert calls["n"] >= 1
-    assert r.status_code == 500 and "detokenizer exploded" in r.json()["error"]["message"]
+    assert added["n"] == 6  # it failed mid-stream, after 5 tokens
+    if stream:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert len([c for c in chunks if "choices" in c]) == 5
+        assert "detokenizer exploded" in chunks[-1]["error"]["message"]
+    else:
+        assert r.status_code == 500 and "detokenizer exploded" in r.json()["error"]["message"]
     r = served.client().completions.create(model="demo", prompt="def parse_args(",
                                            max_tokens=20)
     assert r.choices[0].text == text

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -607,7 +608,8 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
 class RequestLimits:
     """ASGI middleware: a request body over `max_bytes` gets 413 with OpenAI's error body, whether
     its Content-Length says so up front or a chunked body grows past it while being read; a body
-    that has not fully arrived within `body_timeout` seconds gets 408."""
+    that has not fully arrived within `body_timeout` seconds gets 408. A body sent without a
+    Content-Type is read as JSON (the only format the API takes)."""
 
     def __init__(self, app: Any, max_bytes: int, body_timeout: float = BODY_TIMEOUT) -> None:
         self.app, self.max_bytes, self.body_timeout = app, max_bytes, body_timeout
@@ -619,7 +621,11 @@ class RequestLimits:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        if b"content-type" not in headers and scope.get("method") == "POST":
+            scope = {**scope, "headers": [*scope.get("headers", []),
+                                          (b"content-type", b"application/json")]}
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             err = self._too_large()
             return await APIError(413, err.detail, code="request_too_large").response()(
@@ -647,17 +653,24 @@ class RequestLimits:
         await self.app(scope, limited, send)
 
 
+# a union member pydantic names in an error location (prompt.list[int][0]): not a field
+_UNION_TAG = re.compile(r"str|int|float|bool|none|[a-z-]+\[.*\]")
+
+
 def _validation_error(err: RequestValidationError) -> APIError:
     """pydantic's first complaint as one sentence naming the field and the value."""
     first = err.errors()[0]
     if first.get("type") == "json_invalid":
         return _bad(None, f"the request body is not valid JSON: {first.get('msg')}",
                     code="invalid_json")
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+        return _bad(None, "the request body must be a JSON object, sent as application/json",
+                    code="invalid_json")
     param = ""  # e.g. messages[0].role
     for part in first.get("loc", ()):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part != "body":
+        elif part != "body" and not _UNION_TAG.fullmatch(part):
             param += f".{part}" if param else str(part)
     param = param or None
     value = first.get("input")

@@ -1,0 +1,283 @@
+"""The server under abuse, through HTTP: a broken generation thread, errors from deep inside,
+text that is not Unicode, clients that hang up, huge prompts, half-open connections, log storms.
+Each test failed on the server as it was before its fix (see the hardening issue's list).
+
+Servers run in this process on 127.0.0.1 (`Served`, with the real uvicorn settings from
+`tinydraft_mlx.limits`); every request loop is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import TEMPLATE, Served
+from tinydraft_mlx import load_models, stream_generate
+from tinydraft_mlx import worker as worker_module
+from tinydraft_mlx.limits import RepeatFilter
+from tinydraft_mlx.server import Defaults, create_app
+from tinydraft_mlx.worker import Worker
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, draft, tokenizer = load_models()
+    tokenizer.chat_template = TEMPLATE
+    return target, draft, tokenizer
+
+
+def _serve(models, **kwargs) -> tuple[Served, Worker]:
+    target, draft, tokenizer = models
+    worker = Worker(target, draft, tokenizer, cache_bytes=32 << 20, max_queue=4)
+    app_kwargs = {k: kwargs.pop(k) for k in ("max_body_bytes", "body_timeout") if k in kwargs}
+    return Served(create_app(worker, "demo", Defaults(k=3, max_tokens=16), **app_kwargs),
+                  **kwargs), worker
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    s, _ = _serve(models)
+    yield s
+    s.close()
+
+
+def _plain(models, prompt: str, n: int) -> str:
+    target, _, tokenizer = models
+    return "".join(r.text for r in stream_generate(target, None, tokenizer, prompt,
+                                                   max_tokens=n))
+
+
+def test_an_error_outside_the_generation_fails_that_request_only(models, monkeypatch):
+    """`pool.take` raising used to kill the generation thread: every later request hung while
+    /health said ok. Now that request gets a 500, the thread goes on, the next one is exact."""
+    s, worker = _serve(models)
+    try:
+        original = worker.pool.take
+        calls = {"n": 0}
+
+        def take(prompt):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("pool exploded")
+            return original(prompt)
+
+        monkeypatch.setattr(worker.pool, "take", take)
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n"}, timeout=30)
+        assert r.status_code == 500 and "pool exploded" in r.json()["error"]["message"]
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n", "max_tokens": 16},
+                       timeout=30)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == _plain(models, "def main():\n", 16)
+        health = s.health()
+        assert health["worker"]["alive"] and health["requests"]["failed"] == 1
+    finally:
+        s.close()
+
+
+def test_health_says_when_the_generation_thread_is_gone(models):
+    """A dead generation thread: /health answers 503 with status "error", and a request gets a
+    503 at once instead of waiting forever."""
+    s, worker = _serve(models)
+    try:
+        worker._queue.put(None)  # the thread's stop signal: it ends
+        worker._thread.join(10)
+        r = httpx.get(s.url + "/health", timeout=10)
+        assert r.status_code == 503
+        assert r.json()["status"] == "error" and r.json()["worker"]["alive"] is False
+        start = time.monotonic()
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_down"
+        assert time.monotonic() - start < 2
+    finally:
+        s.close()
+
+
+def test_a_value_error_from_inside_is_a_logged_500(served, monkeypatch, caplog):
+    """MLX raises ValueError for internal shape errors: that is the server's failure (500,
+    logged), not the client's (it was a 400 invalid_request_error, unlogged)."""
+    def broken(*args, **kwargs):
+        raise ValueError("[matmul] Last dimension of first input with shape (1,3,64) must match")
+
+    monkeypatch.setattr(worker_module, "stream_generate", broken)
+    with caplog.at_level(logging.ERROR, logger="tinydraft_mlx.server"):
+        r = httpx.post(served.url + COMPLETIONS, json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error"
+    assert r.json()["error"]["code"] == "generation_failed"
+    assert any("generation failed" in rec.getMessage() and rec.exc_info for rec in caplog.records)
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    (COMPLETIONS, '{"prompt": "abc\\ud800def"}', "prompt"),
+    (COMPLETIONS, '{"prompt": "abc", "stop": ["\\udfff"]}', "stop[0]"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages[0].content"),
+    (CHAT, '{"messages": [{"role": "us\\ud800er", "content": "hi"}]}', "messages[0].role"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served, endpoint, body, param):
+    """JSON may carry a lone surrogate, UTF-8 cannot: it was a 500 with a plain-text body (the
+    tokenizer's TypeError escaped)."""
+    r = httpx.post(served.url + endpoint, content=body.encode(),
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "not valid Unicode" in error["message"]
+
+
+def test_bad_json_without_a_content_type_is_invalid_json(served, models):
+    r = httpx.post(served.url + COMPLETIONS, content=b'{"prompt": ', timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(served.url + COMPLETIONS, content=b"prompt=x", timeout=10,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(served.url + COMPLETIONS, content=b'{"prompt": "import os\\n", '
+                   b'"max_tokens": 8}', timeout=30)  # no Content-Type: read as JSON
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == _plain(models, "import os\n", 8)
+
+
+def _wait(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, what
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_a_non_streaming_client_that_hangs_up_ends_its_generation(served, models):
+    """3000 tokens asked (~10 s), the client leaves after 0.5 s: the generation stops within a
+    round (it ran to max_tokens and was counted "completed", 6 of 6 tries), and the next request
+    on the same prompt is exact."""
+    served.wait_idle()
+    before = served.health()["requests"].get("cancelled", 0)
+    body = json.dumps({"prompt": "def parse_args(", "max_tokens": 3000}).encode()
+    with socket.create_connection(("127.0.0.1", served.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _wait(lambda: served.health()["running"], 10, "the generation did not start")
+        time.sleep(0.5)
+    gone = time.monotonic()
+    served.wait_idle(timeout=3.0)
+    assert time.monotonic() - gone < 3.0
+    assert served.health()["requests"]["cancelled"] == before + 1
+    r = httpx.post(served.url + COMPLETIONS, json={"prompt": "def parse_args(",
+                                                   "max_tokens": 16}, timeout=30)
+    assert r.json()["choices"][0]["text"] == _plain(models, "def parse_args(", 16)
+
+
+def test_a_long_tokenization_does_not_stall_the_event_loop(served, models, monkeypatch):
+    """Tokenizing a 7.5 MB prompt took ~10 s on the event loop: /health and every stream
+    stalled. Tokenization (here made to take 2 s) now runs on a thread: /health answers in well
+    under a second meanwhile."""
+    _, _, tokenizer = models
+    original = tokenizer.encode
+    slow = threading.Event()
+
+    def encode(text, *args, **kwargs):
+        if text.startswith("SLOW"):
+            slow.set()
+            time.sleep(2.0)
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer._tokenizer, "encode", encode)  # what the wrapper delegates to
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=httpx.post(
+        served.url + COMPLETIONS, json={"prompt": "SLOW def f(", "max_tokens": 4}, timeout=30)))
+    thread.start()
+    assert slow.wait(10)
+    start = time.monotonic()
+    r = httpx.get(served.url + "/health", timeout=10)
+    assert r.status_code == 200 and time.monotonic() - start < 0.5
+    thread.join(30)
+    assert result["r"].status_code == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_untokenized(models):
+    """A 7.5 MB text cannot fit 4096 tokens of at most 40 characters: refused at once, before
+    any tokenization (the body limit raised to let it in)."""
+    s, _ = _serve(models, max_body_bytes=16 << 20)
+    try:
+        start = time.monotonic()
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def f(x):\n" * 750_000},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "7500000 characters" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 3  # tokenizing it alone takes ~10 s
+    finally:
+        s.close()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""  # an orderly close
+    except ConnectionResetError:  # closed with our unread request bytes still in its buffer
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_open_connections_are_closed_and_capped(models):
+    """Connections that never finish their headers used to be kept forever (2200 exhausted the
+    file descriptors). Here: the ones beyond the cap (8) are closed at once, the rest after the
+    header timeout (0.5 s); then the server answers as before."""
+    s, _ = _serve(models, header_timeout=0.5, max_connections=8)
+    socks = []
+    try:
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", s.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            sock.settimeout(3.0)
+            socks.append(sock)
+        start = time.monotonic()
+        closed = [_closed_by_server(sock) for sock in socks]
+        assert all(closed) and time.monotonic() - start < 2.5
+        assert s.health()["status"] == "ok"
+    finally:
+        for sock in socks:
+            sock.close()
+        s.close()
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(models):
+    s, _ = _serve(models, body_timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+            sock.settimeout(5.0)
+            reply = sock.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+    finally:
+        s.close()
+
+
+def test_repeated_log_records_are_rate_limited():
+    """The same error a thousand times: `burst` of them are logged, the rest counted and said
+    once when the window has passed (a storm of tracebacks wrote 208 MB in 30 s)."""
+    logger = logging.getLogger("tests.repeat")
+    logger.propagate = False
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    rate = RepeatFilter(burst=5, window=0.3)
+    logger.addFilter(rate)
+    for _ in range(1000):
+        logger.error("accept failed: %s", "Too many open files")
+    logger.error("something else")
+    assert len(records) == 6
+    time.sleep(0.35)
+    logger.error("accept failed: %s", "Too many open files")
+    assert records[-1] == ("accept failed: Too many open files (995 more like this were not "
+                           "logged)")
