@@ -351,3 +351,14 @@ def test_pipelined_plain_decoding_rolls_back_the_queued_step(pair, reference, en
     rest = [t.id for t in decode(target, None, seq, max_tokens=40 - len(got),
                                  target_cache=cache)]
     assert got + rest == ref[:40]
+
+
+def test_generation_runs_on_mlx_lms_own_generation_stream(pair):
+    """One generation stream per process, mlx-lm's: a second one (ours beside mlx-lm's, in a
+    process that also runs `generate_step`) meant two threads calling the BLAS on the CPU."""
+    from mlx_lm.generate import generation_stream as mlx_lm_stream
+
+    from tinydraft_mlx.backend import generation_stream
+
+    assert generation_stream() is mlx_lm_stream
+    assert generation_stream().device == mx.default_device()

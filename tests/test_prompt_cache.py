@@ -183,3 +183,67 @@ def test_cli_prompt_cache_file_and_progress(checkpoints, tmp_path, capsys):
         main(["--target", str(checkpoints["draft"]), "--draft", "none", "--prompt", "x",
               "--prompt-cache-file", str(path)])
     assert "made with another target model" in capsys.readouterr().err
+
+
+def test_two_live_generations_on_one_cache_are_refused(pair):
+    """A second generation on a cache that a live one holds would corrupt both silently: it is
+    refused with a clear error; once the first is done (or closed) the cache is free again, and
+    a generation that was made but never started holds nothing."""
+    target, draft, tok = pair
+    pc = PromptCache(target, draft)
+    first = stream_generate(target, draft, tok, PROMPT, max_tokens=8, prompt_cache=pc)
+    never_started = stream_generate(target, draft, tok, PROMPT, max_tokens=8, prompt_cache=pc)
+    del never_started
+    made_before = stream_generate(target, draft, tok, PROMPT, max_tokens=8, prompt_cache=pc)
+    next(first)
+    with pytest.raises(PromptCacheError, match="in use by a generation that has not"):
+        stream_generate(target, draft, tok, PROMPT + "x", max_tokens=8, prompt_cache=pc)
+    with pytest.raises(PromptCacheError, match="in use"):
+        next(made_before)  # made while free, started while the other runs: refused at start
+    first.close()
+    second = stream_generate(target, draft, tok, PROMPT, max_tokens=8, prompt_cache=pc)
+    next(second)
+    out = [next(second).token for _ in range(3)]
+    second.close()
+    fresh, _ = generate(target, draft, tok, PROMPT, max_tokens=4)
+    assert out == fresh[1:4]
+    assert cache_length(pc.target_cache) == len(pc.tokens) - 1
+
+
+@pytest.mark.parametrize("where", ["callback", "layer"])
+def test_an_interrupted_prefill_leaves_the_cache_consistent(pair, where):
+    """A prefill interrupted after its first 512-token chunk, by a progress callback that raises
+    or by Ctrl-C between two layers' updates (a KeyboardInterrupt in layer 3): every layer holds
+    the same tokens, the cache records them, and the next generation on it is exact."""
+    target, draft, tok = pair
+    ids = (tok.encode(PROMPT + MORE) * 40)[:1200]
+    pc = PromptCache(target, draft)
+    layer = pc.target_cache[3]
+    calls = {"n": 0}
+
+    def progress(done, total):
+        calls["n"] += 1
+        if where == "callback" and done >= 512:
+            raise RuntimeError("progress bar exploded")
+
+    if where == "layer":
+        update = layer.update_and_fetch
+
+        def interrupted(keys, values):
+            calls["layer"] = calls.get("layer", 0) + 1
+            if calls["layer"] == 2:  # the second chunk
+                raise KeyboardInterrupt
+            return update(keys, values)
+
+        layer.update_and_fetch = interrupted
+    with pytest.raises((RuntimeError, KeyboardInterrupt)):
+        generate(target, draft, tok, ids, max_tokens=8, prompt_cache=pc,
+                 prompt_progress_callback=progress)
+    if where == "layer":
+        del layer.update_and_fetch
+    offsets = {layer.offset for layer in pc.target_cache}
+    assert offsets == {512}  # layers 0-2 had taken the second chunk too
+    assert pc.tokens == ids[:513] and not pc.in_use
+    out, stats = generate(target, draft, tok, ids, max_tokens=8, prompt_cache=pc)
+    fresh, _ = generate(target, draft, tok, ids, max_tokens=8)
+    assert out == fresh and stats.cached_tokens == 512

@@ -14,12 +14,12 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
-from .cache import KEEP, make_cache
+from .cache import KEEP, Cache, cache_length, make_cache
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup, draft_model
 from .policy import AUTO
 from .prompt_cache import PromptCache
 from .sampling import ParameterError, SamplingParams, check_float, check_int
-from .speculative import Processor, Progress, decode, max_draft_length, vocab_width
+from .speculative import Processor, Progress, Token, decode, max_draft_length, vocab_width
 from .stats import GenerationStats
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
 
@@ -205,24 +205,40 @@ def stream_generate(
         check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
     if prompt_cache is not None:
         prompt_cache.check_models(target, model)
-        prompt_cache.reuse(ids)
-        target_cache, draft_cache = prompt_cache.target_cache, prompt_cache.draft_cache
+        prompt_cache.check_free()
+        caches = None
     else:
         margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
-        target_cache = make_cache(target, max_kv_size, margin)
-        draft_cache = make_cache(model, max_kv_size, margin) if model is not None else None
+        caches = (make_cache(target, max_kv_size, margin),
+                  make_cache(model, max_kv_size, margin) if model is not None else None)
     eos = eos_ids(tokenizer)
-    steps = decode(
-        target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling, eos_token_ids=eos,
-        target_cache=target_cache, draft_cache=draft_cache, logits_processors=processors,
-        prompt_progress_callback=prompt_progress_callback,
-    )
-    return _stream(steps, tokenizer, stops, eos, prompt_cache, ids)
+
+    def steps(target_cache: Cache, draft_cache: Cache | None) -> Iterator[Token]:
+        return decode(
+            target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
+            eos_token_ids=eos, target_cache=target_cache, draft_cache=draft_cache,
+            logits_processors=processors, prompt_progress_callback=prompt_progress_callback,
+        )
+
+    return _stream(steps, caches, tokenizer, stops, eos, prompt_cache, ids)
 
 
-def _stream(steps, tokenizer, stops, eos, prompt_cache, ids) -> Iterator[GenerationResponse]:
-    """The responses; whatever ends the generation (its end, a stop string, close, an error),
-    the loop is closed (its caches rolled back) and the prompt cache records what they hold."""
+def _stream(steps, caches, tokenizer, stops, eos, prompt_cache,
+            ids) -> Iterator[GenerationResponse]:
+    """The responses. A prompt cache is taken when the generation starts (one live generation
+    per cache: a second is refused) and reused then; whatever ends the generation (its end, a
+    stop string, close, an error, in the prefill too), the loop is closed (its caches rolled
+    back), the prompt cache records what its caches hold, and is free again."""
+    if prompt_cache is not None:
+        with prompt_cache.taken():
+            prompt_cache.reuse(ids)
+            yield from _responses(steps(prompt_cache.target_cache, prompt_cache.draft_cache),
+                                  tokenizer, stops, eos, prompt_cache, ids)
+    else:
+        yield from _responses(steps(*caches), tokenizer, stops, eos, None, ids)
+
+
+def _responses(steps, tokenizer, stops, eos, prompt_cache, ids) -> Iterator[GenerationResponse]:
     emitted: list[int] = []
     try:
         for response in responses(steps, tokenizer, stops, eos):
@@ -230,8 +246,9 @@ def _stream(steps, tokenizer, stops, eos, prompt_cache, ids) -> Iterator[Generat
             yield response
     finally:
         steps.close()
-        if prompt_cache is not None:
-            prompt_cache.tokens = ids + emitted
+        if prompt_cache is not None:  # the target holds all of tokens but the last
+            held = cache_length(prompt_cache.target_cache)
+            prompt_cache.tokens = (ids + emitted)[: held + 1]
 
 
 def generate(

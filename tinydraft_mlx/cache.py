@@ -45,11 +45,15 @@ def cache_length(cache: Cache) -> int:
 
 
 def rollback(cache: Cache, keep: int) -> None:
-    """Forget everything after the first `keep` tokens; a no-op if the cache holds fewer."""
-    drop = cache_length(cache) - keep
-    if drop > 0:
-        for layer in cache:
-            layer.trim(drop)
+    """Forget everything after the first `keep` tokens (fewer if the cache holds fewer). Layers
+    that disagree (a forward interrupted between layers, e.g. by Ctrl-C in a prefill) are all
+    brought back to the shortest, so the cache is consistent again."""
+    if not cache:
+        return
+    keep = min(keep, min(layer.offset for layer in cache))
+    for layer in cache:
+        if layer.offset > keep:
+            layer.trim(layer.offset - keep)
 
 
 class RollbackRotatingKVCache:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,7 @@ class PromptCache:
         self.target, self.draft = target, draft_model(draft)
         self.max_kv_size = max_kv_size
         self.tokens: list[int] = []
+        self.in_use = False  # a generation is running on these caches
         self.target_cache = make_cache(target, max_kv_size, MARGIN)
         self.draft_cache = (make_cache(self.draft, max_kv_size, MARGIN)
                             if self.draft is not None else None)
@@ -90,6 +93,24 @@ class PromptCache:
         if draft_model(draft) is not None and draft is not self.draft:
             raise PromptCacheError("this prompt cache was made for another draft model "
                                    "(or without one)")
+
+    def check_free(self) -> None:
+        """PromptCacheError while a generation runs on this cache (two at once would corrupt
+        both caches silently)."""
+        if self.in_use:
+            raise PromptCacheError("this prompt cache is in use by a generation that has not "
+                                   "finished: finish or close that one first, or give this one "
+                                   "another PromptCache (or none)")
+
+    @contextmanager
+    def taken(self) -> Iterator[PromptCache]:
+        """Hold this cache for one generation: PromptCacheError if another holds it."""
+        self.check_free()
+        self.in_use = True
+        try:
+            yield self
+        finally:
+            self.in_use = False
 
     def reuse(self, prompt: list[int]) -> int:
         """Make the caches hold a prefix of `prompt` (at most all but its last token): the common
@@ -120,6 +141,7 @@ class PromptCache:
         clone = object.__new__(PromptCache)
         clone.__dict__.update(self.__dict__)
         clone.tokens = list(self.tokens)
+        clone.in_use = False
         clone.target_cache = _copy_cache(self.target_cache)
         clone.draft_cache = _copy_cache(self.draft_cache)
         return clone

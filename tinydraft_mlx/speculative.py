@@ -264,25 +264,26 @@ def decode(
             prompt_progress_callback(done, len(pending))
 
     with wired_limit((target, model), [stream]):
-        start = time.perf_counter()
-        with mx.stream(stream):
-            if progress is not None:
-                progress(0)
-            prefill(target, target_cache, pending, progress=progress)
-            target_prefill = time.perf_counter() - start
-            if model is not None:
-                prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
-        stats.prefill_seconds = time.perf_counter() - start
-        if k == AUTO and draft is not None:
-            # the draft/target cost ratio seen in prefill seeds the first guess of a draft step
-            draft_prefill = stats.prefill_seconds - target_prefill
-            ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
-            draft_key = repr(lookup) if lookup is not None else model
-            regime = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
-            policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)), regime)
-            stats.policy = policy
         eos = frozenset(eos_token_ids)
-        try:
+        try:  # from the prefill on: however it ends, `finally` leaves the caches consistent
+            start = time.perf_counter()
+            with mx.stream(stream):
+                if progress is not None:
+                    progress(0)
+                prefill(target, target_cache, pending, progress=progress)
+                target_prefill = time.perf_counter() - start
+                if model is not None:
+                    prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
+            stats.prefill_seconds = time.perf_counter() - start
+            if k == AUTO and draft is not None:
+                # the draft/target cost ratio seen in prefill seeds the first guess of a draft
+                # step; acceptance is learned per sampling regime, costs per pair
+                draft_prefill = stats.prefill_seconds - target_prefill
+                ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
+                draft_key = repr(lookup) if lookup is not None else model
+                regime = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+                policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)), regime)
+                stats.policy = policy
             if draft is None:
                 yield from _plain(target, target_cache, seq, max_tokens, sampling, key, eos,
                                   stats, stream, logits_processors)
