@@ -67,8 +67,15 @@ def test_fixtures_with_several_drafts(checkpoints, report_file):
     assert [d["draft"] for d in report["drafts"]] == [str(checkpoints["draft"]), "prompt-lookup",
                                                       "none"]
     assert [d["plain"] for d in report["drafts"]] == [False, False, True]
-    # plain decoding is the baseline, never "recommended with k" on its own noise
-    assert report["recommended"]["draft"] != "none" or report["recommended_k"] == 0
+    # plain decoding is the baseline, never recommended on its own noise: the recommendation is
+    # the best measured draft and k when it beats 1, else plain decoding with k = 0
+    candidates = [(s, d["draft"], int(k)) for d in report["drafts"] if not d["plain"]
+                  for k, s in d["measured_speedup"].items()]
+    best = max(candidates)
+    if best[0] > 1.0:
+        assert (report["recommended"]["draft"], report["recommended_k"]) == best[1:]
+    else:
+        assert (report["recommended"]["draft"], report["recommended_k"]) == ("none", 0)
     assert report["drafts"][0]["sampling"]["first_token_paths"].keys() == {"accepted",
                                                                           "resampled"}
 
@@ -105,3 +112,57 @@ def test_bad_arguments_exit_2(checkpoints, capsys, args, message):
         main(["--target", str(checkpoints["target"]), "--quick"] + args)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_cost_curve_that_does_not_rise_is_flagged_not_predicted_from(monkeypatch,
+                                                                       report_file, capsys):
+    """Under load t_v(4) = 113 ms after t_v(3) = 2.5 ms was measured, and 9.78x predicted where
+    1.18x was real: such a curve is flagged and no speedup is predicted from it."""
+    import tinydraft_mlx.check as check
+
+    curve = {1: 2.0, 2: 2.2, 3: 2.5, 4: 113.0, 5: 3.0, 6: 3.2, 7: 3.4, 8: 3.6, 9: 3.8}
+    monkeypatch.setattr(check, "target_costs", lambda *a: {"t_1": 2.0, "t_v": curve})
+    assert main(["--quick", "--json", str(report_file)]) == 0
+    report = json.loads(report_file.read_text())
+    draft = report["drafts"][0]
+    assert draft["costs"]["rising"] is False
+    assert set(draft["predicted_speedup"].values()) == {None}
+    out = capsys.readouterr().out
+    assert "does not rise with n" in out and "k=1 - /" in out
+
+
+def test_rising():
+    from tinydraft_mlx.check import rising
+
+    assert rising({1: 2.0, 2: 2.1, 3: 2.0, 4: 2.6})  # noise below 20% is a rising curve
+    assert not rising({1: 2.0, 2: 2.2, 3: 2.5, 4: 113.0, 5: 3.0})
+    assert not rising({1: 5.0, 2: 3.0})
+
+
+def test_a_quantized_target_gets_its_compute_dtypes_tolerance(demo):
+    """A quantized model's weights are uint32: its tolerance comes from what it computes in
+    (its scales and the rest), not the float32 default that a uint32 lookup fell back to."""
+    import mlx.nn as nn
+
+    from tinydraft_mlx import load_models
+    from tinydraft_mlx.check import NEAR_TIE, compute_dtype, is_quantized
+
+    target, _, _ = load_models(None, "none", dtype="float16")
+    nn.quantize(target, group_size=64, bits=4)
+    assert str(target.model.layers[0].mlp.up_proj.weight.dtype) == "mlx.core.uint32"
+    assert is_quantized(target) and compute_dtype(target) == "float16"
+    assert NEAR_TIE[compute_dtype(target)] > NEAR_TIE["float32"]
+    assert compute_dtype(demo[0]) == "float32" and not is_quantized(demo[0])
+
+
+def test_a_failure_while_checking_exits_3_not_2(monkeypatch, capsys):
+    """2 means bad arguments; the check failing to run is another thing (it said 2 for both)."""
+    import tinydraft_mlx.check as check
+
+    def broken(*args, **kwargs):
+        raise ValueError("[matmul] shapes (1,3) and (4,5) cannot be multiplied")
+
+    monkeypatch.setattr(check, "greedy_runs", broken)
+    assert main(["--quick"]) == 3
+    err = capsys.readouterr().err
+    assert "error while checking: ValueError: [matmul]" in err and len(err.splitlines()) == 1

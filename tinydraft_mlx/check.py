@@ -14,9 +14,15 @@ For each draft (a model, "prompt-lookup" or "none"):
 3. Costs: t_1, t_d, t_v(n) for n = 1..9 (cached forward passes), host overhead per round.
 4. Acceptance overall and per position, greedy and at the user's temperature.
 5. Leviathan's predicted speedup per k from 3 and 4, the measured speedup per k (decode tokens/s
-   against plain decoding, same prompts), and the recommended k, draft or plain decoding.
+   against plain decoding, same prompts), and the recommended k, draft or plain decoding. A cost
+   curve that does not rise with n (a busy machine: t_v(4) = 113 ms after t_v(3) = 2.5 ms was
+   seen) is flagged and predicts nothing.
 
-Exit status 0 when exact, 1 when an exactness check fails, 2 on bad arguments.
+Every forward runs on the generation stream the decode loop uses (a second stream means a second
+thread calling the BLAS on the CPU, which distorts every figure after it).
+
+Exit status 0 when exact, 1 when an exactness check fails, 2 on bad arguments, 3 when the check
+itself fails to run (one line on stderr).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .api import generate, stream_generate
 from .backend import active_blas, device_name, generation_stream
@@ -46,6 +54,7 @@ from .speculative import prefill
 
 KS = (1, 2, 4, 8)
 NEAR_TIE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2.5e-1}  # top-2 gaps that may flip
+CURVE_DROP = 0.8  # t_v(n) below this share of a smaller n's: the curve does not rise, unreliable
 CHI2_Z = 4.0  # fail above the Wilson-Hilferty 1 - 3.2e-5 quantile
 P_FAIL = 0.5 * math.erfc(CHI2_Z / math.sqrt(2))
 PROMPTS = [
@@ -84,6 +93,35 @@ def chi2_p_value(stat: float, df: int) -> float:
         return 0.0
     z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def compute_dtype(model: nn.Module) -> str:
+    """The least precise floating dtype among the model's parameters: what its matmuls round
+    in ("float32", "float16", "bfloat16"). A quantized model's weights are integers (uint32);
+    its scales and the rest say how it computes."""
+    floats = {str(w.dtype).removeprefix("mlx.core.") for _, w in
+              tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)}
+    for name in ("bfloat16", "float16", "float32"):  # least precise first
+        if name in floats:
+            return name
+    return "float32"
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+               for _, m in model.named_modules())
+
+
+def rising(t_v: dict[int, float]) -> bool:
+    """Whether a verify cost curve rises with n as a real one does (up to noise): no t_v(n)
+    below CURVE_DROP x the largest t_v of a smaller n. A curve that falls was measured on a
+    busy machine, and a prediction from it means nothing."""
+    highest = 0.0
+    for n in sorted(t_v):
+        if t_v[n] < CURVE_DROP * highest:
+            return False
+        highest = max(highest, t_v[n])
+    return True
 
 
 def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float:
@@ -179,10 +217,11 @@ def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) ->
 def _first_distributions(target, draft, ids, sampling) -> tuple[np.ndarray, float]:
     """The target's warped first-token distribution p after `ids`, and sum(min(p, q)) with the
     draft model's q (the probability that its first proposal is accepted; 1.0 without a model)."""
-    p = np.array(warp(target(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
-    if draft_model(draft) is None:
-        return p / p.sum(), 1.0
-    q = np.array(warp(draft(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
+    with mx.stream(generation_stream()):
+        p = np.array(warp(target(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
+        if draft_model(draft) is None:
+            return p / p.sum(), 1.0
+        q = np.array(warp(draft(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
     width = min(len(p), len(q))
     return p / p.sum(), float(np.minimum(p[:width], q[:width]).sum())
 
@@ -244,6 +283,9 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
         model_ms = k * c["t_d"] + c["t_v"][k + 1]
         overhead[k] = max(0.0, round_ms - model_ms) / round_ms if round_ms else 0.0
     c["host_overhead_per_round"] = overhead
+    c["rising"] = rising(c["t_v"])
+    predicted = {k: leviathan(alpha, k, c["t_d"], c["t_1"], c["t_v"][k + 1]) if c["rising"]
+                 else None for k in args.ks}
     return {
         "draft": name,
         "plain": draft is None,  # the baseline: its "speedups" are plain vs plain (noise)
@@ -259,8 +301,7 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
                                               args.max_tokens, 4),
             "alpha_first_position": alpha,
         },
-        "predicted_speedup": {k: leviathan(alpha, k, c["t_d"], c["t_1"], c["t_v"][k + 1])
-                              for k in args.ks},
+        "predicted_speedup": predicted,
         "measured_speedup": {k: greedy["per_k"][k]["speedup"] for k in args.ks},
     }
 
@@ -276,10 +317,12 @@ def recommend(results: list[dict]) -> dict[str, Any]:
                 f"(best measured {best[2]:.2f}x): use plain decoding, a better draft, or "
                 "k=auto"}
     r, k, s = best
-    return {"draft": r["draft"], "k": k,
-            "why": f"measured {s:.2f}x plain decoding at k={k} (predicted "
-                   f"{r['predicted_speedup'][k]:.2f}x from costs and acceptance "
-                   f"{r['acceptance']['alpha_first_position']:.2f})"}
+    predicted = r["predicted_speedup"][k]
+    why = (f"predicted {predicted:.2f}x from costs and acceptance "
+           f"{r['acceptance']['alpha_first_position']:.2f}" if predicted is not None
+           else "no prediction: the cost curve does not rise with n")
+    return {"draft": r["draft"], "k": k, "why": f"measured {s:.2f}x plain decoding at k={k} "
+                                                 f"({why})"}
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -341,8 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [tok.encode(t) for t in texts]
     generate(target, first, tok, prompts[0], k=2, max_tokens=8)  # warm-up
     refs = [plain_reference(target, tok, ids, args.max_tokens) for ids in prompts]
-    dtype = str(target.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
-    tolerance = NEAR_TIE.get(dtype, NEAR_TIE["float32"])
+    dtype = compute_dtype(target)
+    tolerance = NEAR_TIE[dtype]
     measured = target_costs(target, prompts[0], max(args.ks), args.repeats)
     results = [check_draft(name, target, d, tok, prompts, refs, args, sampling, tolerance,
                            measured) for name, d in zip(names, drafts)]
@@ -350,6 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "target": args.target or "bundled demo target",
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "ks": args.ks,
                      "samples": args.samples, "sampling": vars(sampling), "dtype": dtype,
+                     "quantized": is_quantized(target),
                      "near_tie_tolerance": tolerance, "sampling_fail_below": P_FAIL,
                      "device": device_name(), "blas": active_blas(), "quick": args.quick},
         "greedy_identical": all(r["greedy_identical"] for r in results),
@@ -393,6 +437,9 @@ def format_report(report: dict[str, Any]) -> str:
                      f"df, p = {sp['p_value']:.3g} ({ok}; fails below {P_FAIL:.1e})")
         t_v = " ".join(f"{v:.1f}" for v in c["t_v"].values())
         lines.append(f"  costs (ms): t_1 {c['t_1']:.1f}, t_d {c['t_d']:.1f}, t_v(1..) {t_v}")
+        if not c["rising"]:
+            lines.append("  WARNING: the verify cost curve does not rise with n (the machine was "
+                         "busy?): no speedup is predicted from it; rerun on a quiet machine")
         acc = r["acceptance"]
         lines.append("  acceptance, greedy: " + ", ".join(
             f"k={k} {v['overall']:.2f}" for k, v in acc["greedy"].items())
@@ -404,12 +451,16 @@ def format_report(report: dict[str, Any]) -> str:
                          + ", ".join(f"{v:.2f}x" for v in r["measured_speedup"].values()))
             continue
         lines.append("  speedup per k, predicted / measured: " + ", ".join(
-            f"k={k} {r['predicted_speedup'][k]:.2f}x / {r['measured_speedup'][k]:.2f}x"
+            f"k={k} {_times(r['predicted_speedup'][k])} / {r['measured_speedup'][k]:.2f}x"
             for k in s["ks"]))
     rec = report["recommended"]
     lines.append(f"\nrecommended: draft {rec['draft']}, k={rec['k']}: {rec['why']}")
     lines.append("result: EXACT" if exact(report) else "result: NOT EXACT (see above)")
     return "\n".join(lines)
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -431,8 +482,9 @@ def plot(report: dict[str, Any], path: str) -> None:
         ks = [int(k) for k in r["measured_speedup"]]
         line = speed.plot(ks, list(r["measured_speedup"].values()), marker="o",
                           label=f"measured ({r['draft']})")
-        speed.plot(ks, list(r["predicted_speedup"].values()), ls="--",
-                   color=line[0].get_color(), label=f"predicted ({r['draft']})")
+        if c["rising"]:
+            speed.plot(ks, list(r["predicted_speedup"].values()), ls="--",
+                       color=line[0].get_color(), label=f"predicted ({r['draft']})")
     cost.set(xlabel="tokens in one target pass (n)", ylabel="time / one-token step",
              title="verify cost curve")
     speed.axhline(1.0, color="black", lw=0.8)
@@ -446,7 +498,8 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the check; returns 0 when exact, 1 when an exactness check fails, 2 on bad input."""
+    """Run the check; returns 0 when exact, 1 when an exactness check fails, 3 when it fails to
+    run; exits with status 2 on bad arguments."""
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     args.n_prompts, args.max_tokens, args.samples = (2, 32, 2000) if args.quick else (4, 64, 5000)
@@ -459,11 +512,17 @@ def main(argv: list[str] | None = None) -> int:
                            "pip install 'tinydraft-mlx[bench]'\n")
     try:
         check_int("--top-k", args.top_k, 0)
+        read_prompts(args.prompts)
+    except (ParameterError, ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    try:
         report = run(args)
-    except ParameterError as err:
+    except (ParameterError, ModelLoadError) as err:  # the flags named something unusable
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    except (ModelLoadError, ValueError, OSError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except Exception as err:  # the check itself failed: not the user's arguments
+        print(f"{parser.prog}: error while checking: {type(err).__name__}: {err}",
+              file=sys.stderr)
+        return 3
     print(format_report(report))
     if args.json is not None:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
