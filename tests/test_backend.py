@@ -4,6 +4,7 @@ Each case runs in a fresh process, since the preload must happen before `mlx.cor
 imported. CPU-only: on a GPU (and on macOS) MLX does not use this BLAS."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -80,3 +81,27 @@ def test_blas_is_read_from_the_process_not_assumed(checkpoints):
     assert "reference BLAS" not in err
     ref, _ = _run("off", checkpoints["target"])
     np.testing.assert_allclose(np.array(out["logits"]), np.array(ref["logits"]), atol=1e-4)
+
+
+THREADS_SCRIPT = """
+import ctypes, json, os, sys
+import tinydraft_mlx
+lib = ctypes.CDLL(tinydraft_mlx.active_blas().split(" (")[1].rstrip(")"))
+print(json.dumps({"env": os.environ.get("MKL_NUM_THREADS"), "mkl": lib.MKL_Get_Max_Threads()}))
+"""
+
+
+@pytest.mark.skipif(not on_linux_x86, reason="the BLAS preload only acts on Linux x86-64 here")
+@pytest.mark.parametrize("env, expected", [({}, 1), ({"MKL_NUM_THREADS": "2"}, 2),
+                                           ({"OMP_NUM_THREADS": "2"}, 2)])
+def test_mkl_runs_one_thread_unless_told_otherwise(env, expected):
+    """A second MKL thread spins when another process holds a core (results/threads.json:
+    speculative demo decoding 218 -> 25 tok/s with both cores busy), so one is the default; the
+    user's MKL_NUM_THREADS or OMP_NUM_THREADS wins."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "TINYDRAFT_BLAS")}
+    result = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], capture_output=True,
+                            text=True, timeout=120, env={**clean, **env})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["mkl"] == expected

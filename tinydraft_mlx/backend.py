@@ -7,6 +7,12 @@ global state, run by `tinydraft_mlx/__init__.py` first thing and switchable with
 TINYDRAFT_BLAS=auto|mkl|openblas|off|/path/to/lib.so (auto: MKL from the `mkl` extra, else a
 system OpenBLAS). It does nothing on macOS, where MLX uses Metal and Accelerate.
 
+MKL runs one thread unless MKL_NUM_THREADS (or OMP_NUM_THREADS) says otherwise: measured on the
+2-core machines (bench/threads.py, results/threads.json), a second MKL thread gains at most ~1.9x
+on an idle machine (a 5-token forward of a Qwen2.5-0.5B shape) and loses on the demo pair, but
+spins when another process holds a core: speculative demo decoding fell from 268 to 25 tok/s with
+both cores busy (one run: 6 tok/s).
+
 What MLX really uses is read from the process, not assumed: `active_blas()` names the library that
 provides `cblas_sgemm` in the global symbol scope (an LD_PRELOAD, or a library loaded with
 RTLD_GLOBAL before `mlx.core`), which is where MLX's calls bind; with none there they bind to the
@@ -27,6 +33,7 @@ import warnings
 from pathlib import Path
 
 BLAS_ENV = "TINYDRAFT_BLAS"
+MKL_THREADS = "1"  # MKL_NUM_THREADS when the user sets neither it nor OMP_NUM_THREADS
 _blas: str | None = None  # what preload_blas() settled on
 _late = False  # mlx.core was imported before preload_blas() could act
 _warned = False
@@ -98,6 +105,8 @@ def _load_choice(choice: str) -> None:
         "mkl": lambda: _load_first("mkl", _mkl_candidates()),
         "openblas": lambda: _load_first("openblas", _openblas_candidates()),
     }
+    if choice in ("auto", "mkl") and not ({"MKL_NUM_THREADS", "OMP_NUM_THREADS"} & set(os.environ)):
+        os.environ["MKL_NUM_THREADS"] = MKL_THREADS  # read by MKL when it loads, just below
     if choice == "auto":
         tried["mkl"]() or tried["openblas"]()
     elif choice in tried:
