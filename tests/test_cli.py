@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tinydraft_mlx.generate import main
+from tinydraft_mlx.cli import main
 
 
 def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
@@ -117,7 +117,7 @@ def test_bad_arguments_exit_2_with_one_line(checkpoints, capsys, args, expected)
 
 def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
     """An interrupt mid-stream ends with status 130, the text so far and the stats line."""
-    import tinydraft_mlx.generate as cli
+    import tinydraft_mlx.cli as cli
 
     real = cli._stream_text
 
@@ -147,3 +147,30 @@ def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
                      "--prompt", "def f(", "--max-tokens", "30"])
     err = capsys.readouterr().err
     assert code == 130 and "5 tokens" in err
+
+
+def test_the_stats_line_speaks_plainly(checkpoints, capsys):
+    """"1 token", not "1 tokens"; a fixed k's rounds (shortened only near max_tokens) are not
+    reported "by k" as if k had been chosen."""
+    base = ["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+            "--prompt", "def f(x):"]
+    assert main(base + ["-m", "1", "--draft", "none"]) == 0
+    assert "plain decoding: 1 token in" in capsys.readouterr().err
+    assert main(base + ["-m", "10", "-k", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "speculative k=4: 10 tokens" in err and "rounds by k" not in err
+    from tinydraft_mlx.stats import GenerationStats
+
+    auto = GenerationStats(k="auto", generated=9, rounds=1, drafted=2, accepted=1)
+    auto.k_histogram = {0: 3, 2: 1}
+    assert "rounds by k {0: 3, 2: 1}" in auto.summary() and "over 1 round," in auto.summary()
+
+
+def test_the_distributed_hint_is_a_command_that_runs():
+    """The error outside mlx.launch shows the command to start ranks: mlx.launch runs a command
+    (`python -m ...`), and `-m tinydraft_mlx.generate` alone is not one."""
+    from tinydraft_mlx.distributed import join
+
+    with pytest.raises(ValueError) as err:
+        join()
+    assert "-n 2 python -m tinydraft_mlx.generate --distributed" in str(err.value)

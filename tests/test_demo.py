@@ -7,7 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from tinydraft_mlx import generate
-from tinydraft_mlx.generate import main
+from tinydraft_mlx.cli import main
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",

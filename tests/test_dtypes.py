@@ -112,3 +112,14 @@ def test_sampling_runs(variants, name):
     (a, stats), (b, _), (c, _) = runs
     assert len(a) == 24 and stats.finish_reason == "length" and stats.drafted > 0
     assert a == b and a != c  # seeded: reproducible, and seeds differ
+    # every sampled token lies in the target's top-p 0.9 nucleus at its position (numpy on one
+    # uncached pass; a margin of 0.05 of mass for the dtype's rounding between passes)
+    ids = tok.encode(CANDIDATES[0])
+    for out in (a, c):
+        seq = ids + out
+        logits = np.array(target(mx.array([seq]))[0].astype(mx.float32))[len(ids) - 1 : -1]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        for row, token in zip(probs, out):
+            before = row[row > row[token]].sum()  # mass ranked strictly above the token
+            assert before < 0.9 + 0.05, (name, token, before)

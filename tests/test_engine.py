@@ -226,12 +226,19 @@ def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, sched
     _assert_cache_holds(target, tc, (ids + out)[:-1])
 
 
-def test_api_name_survives_importing_the_cli(pair):
-    import tinydraft_mlx.generate  # noqa: F401  (rebinds the package attribute to the module)
+def test_the_api_function_is_not_shadowed_by_a_module():
+    """`tinydraft_mlx.generate` is the API function after importing every module of the package
+    (the CLI used to live in `generate.py`: importing the server rebound the name to it)."""
+    import importlib
+    import pkgutil
 
-    target, draft, tok = pair
-    out, _ = tinydraft_mlx.generate(target, draft, tok, PROMPT, k=2, max_tokens=4)
-    assert len(out) == 4
+    import tinydraft_mlx
+    from tinydraft_mlx.api import generate as api_generate
+
+    for info in pkgutil.iter_modules(tinydraft_mlx.__path__):
+        if info.name != "generate":  # the `python -m tinydraft_mlx.generate` shim, run only
+            importlib.import_module(f"tinydraft_mlx.{info.name}")
+    assert tinydraft_mlx.generate is api_generate
 
 
 BAD_CALLS = [

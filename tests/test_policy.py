@@ -166,7 +166,7 @@ def test_shared_policy_keeps_costs_per_pair_and_acceptance_per_sampling_regime()
     assert sum(hot.accepted) == sum(hot.rejected) == 0  # its own acceptance: nothing yet
     assert min(greedy.acceptance_means()) > 0.8
     hot.update(1, 0, 0.002, catch_up=0.5)
-    assert greedy.switch_seconds == 0.5 and 1 in greedy.round_seconds
+    assert greedy.costs.switch_seconds == 0.5 and 1 in greedy.round_seconds
     assert greedy.accepted[0] > 0 and greedy.rejected[0] == 0  # T = 1's rejection stays there
     assert shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0)) is greedy
     for i in range(MAX_REGIMES):

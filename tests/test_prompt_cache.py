@@ -5,7 +5,7 @@ import pytest
 
 from tinydraft_mlx import PromptCache, PromptCacheError, generate, stream_generate
 from tinydraft_mlx.cache import cache_length
-from tinydraft_mlx.generate import main
+from tinydraft_mlx.cli import main
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"
 MORE = "\n    parser = argparse.ArgumentParser()\n"
@@ -119,7 +119,7 @@ def test_file_refuses_other_models_and_foreign_files(pair, load, tmp_path):
     junk = tmp_path / "junk.safetensors"
     junk.write_text("not a cache")
     cases.append((lambda: PromptCache.load(junk, target, draft), "is not a tinydraft-mlx"))
-    cases.append((lambda: PromptCache.load(tmp_path / "missing", target), "is not a tinydraft"))
+    cases.append((lambda: PromptCache.load(tmp_path / "missing", target), "does not exist"))
     for call, message in cases:
         with pytest.raises(PromptCacheError) as err:
             call()
@@ -167,13 +167,14 @@ def test_bad_prompt_cache_arguments(pair):
 def test_cli_prompt_cache_file_and_progress(checkpoints, tmp_path, capsys):
     """The second run with the same file reuses the first run's prompt; a prompt longer than one
     prefill chunk (512 tokens) shows a progress bar on stderr."""
-    path = tmp_path / "chat"  # saved as chat.safetensors, found again under the same name
+    path = tmp_path / "chat"  # saved under exactly that name, found again there
     long_prompt = "def parse_args(self, args=None):\n" * 60  # > 512 tokens
     base = ["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
             "--max-tokens", "8", "--prompt-cache-file", str(path)]
     assert main(base + ["--prompt", long_prompt]) == 0
     first = capsys.readouterr()
-    assert (tmp_path / "chat.safetensors").exists()
+    assert path.exists() and not (tmp_path / "chat.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["chat"]  # no partial file left behind
     assert "prompt:" in first.err and "cached" not in first.err
     assert main(base + ["--prompt", long_prompt]) == 0
     second = capsys.readouterr()
@@ -247,3 +248,23 @@ def test_an_interrupted_prefill_leaves_the_cache_consistent(pair, where):
     out, stats = generate(target, draft, tok, ids, max_tokens=8, prompt_cache=pc)
     fresh, _ = generate(target, draft, tok, ids, max_tokens=8)
     assert out == fresh and stats.cached_tokens == 512
+
+
+def test_prompt_cache_files_say_what_is_wrong(pair, checkpoints, tmp_path, capsys):
+    """A cache file in a directory that does not exist is refused before the generation (it used
+    to run the whole generation, then a traceback); a missing file to load says so."""
+    target, draft, tok = pair
+    with pytest.raises(SystemExit) as exit_:
+        main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+              "--prompt", "x", "--prompt-cache-file", str(tmp_path / "no" / "such" / "c")])
+    err = capsys.readouterr()
+    assert exit_.value.code == 2 and err.out == ""
+    assert f"directory {str(tmp_path / 'no' / 'such')!r} does not exist" in err.err
+    with pytest.raises(PromptCacheError, match="prompt cache file .* does not exist"):
+        PromptCache.load(tmp_path / "missing.safetensors", target, draft)
+    pc = PromptCache(target, draft)
+    generate(target, draft, tok, PROMPT, max_tokens=4, prompt_cache=pc)
+    with pytest.raises(PromptCacheError, match="directory .* does not exist"):
+        pc.save(tmp_path / "gone" / "c.bin")
+    pc.save(tmp_path / "c.bin")  # any suffix: the file is exactly there
+    assert PromptCache.load(tmp_path / "c.bin", target, draft).tokens == pc.tokens

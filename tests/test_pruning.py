@@ -48,8 +48,9 @@ def test_counts_file_round_trip_and_refusals(pair, load, tmp_path):
     with pytest.raises(VocabError, match="counted with another tokenizer"):
         load_counts(path, other)
     (tmp_path / "junk.json").write_text("{}")
-    for bad in (tmp_path / "junk.json", tmp_path / "missing.json"):
-        with pytest.raises(VocabError, match="is not a tinydraft-mlx token counts file"):
+    for bad, message in ((tmp_path / "junk.json", "is not a tinydraft-mlx token counts file"),
+                         (tmp_path / "missing.json", "token counts file .* does not exist")):
+        with pytest.raises(VocabError, match=message):
             load_counts(bad, tok)
 
 
@@ -63,6 +64,14 @@ def test_vocab_command_writes_counts(checkpoints, pair, tmp_path, capsys):
                        str(checkpoints["target"])]) == 0
     assert load_counts(out, tok) == count_tokens(tok, TEXT)
     assert "2 files" in capsys.readouterr().err
+    # a model directory holds weights too: binary files are skipped, not counted as text
+    (tmp_path / "src" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00" + bytes(range(256)))
+    (tmp_path / "src" / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    assert vocab_main([str(tmp_path / "src"), "-o", str(out), "--model",
+                       str(checkpoints["target"])]) == 0
+    assert load_counts(out, tok) == count_tokens(tok, TEXT)
+    err = capsys.readouterr().err
+    assert "2 files" in err and "skipped 2 binary" in err
     with pytest.raises(SystemExit) as exit_:
         vocab_main([str(tmp_path / "nope"), "-o", str(out)])
     assert exit_.value.code == 2 and "neither a file nor a directory" in capsys.readouterr().err
@@ -176,7 +185,7 @@ def test_first_two_sampled_tokens_follow_the_oracle_with_a_pruned_draft(pruned_p
 
 
 def test_load_models_prunes_and_the_cli_flag(demo, capsys):
-    from tinydraft_mlx.generate import main
+    from tinydraft_mlx.cli import main
 
     target, draft, tok = load_models(draft_vocab=256)
     assert isinstance(draft, PrunedDraft) and len(draft.kept) == 256
@@ -187,7 +196,13 @@ def test_load_models_prunes_and_the_cli_flag(demo, capsys):
     for argv, message in [(["--draft-vocab", "0"], "--draft-vocab must be an integer in [1, 4096]"
                            " (the draft's vocabulary) (got 0)"),
                           (["--draft-vocab", "8", "--draft", "none"], "--draft-vocab must be "
-                           "used with a draft model")]:
+                           "used with a draft model (not prompt lookup or none) (got 'none')"),
+                          (["--draft-vocab", "8", "--draft", "prompt-lookup"], "(got "
+                           "'prompt-lookup')"),
+                          (["--draft-vocab-counts", "counts.json"], "--draft-vocab-counts must "
+                           "be used with draft_vocab"),
+                          (["--draft-vocab", "8", "--draft-vocab-counts", "/no/counts.json"],
+                           "token counts file '/no/counts.json' does not exist")]:
         with pytest.raises(SystemExit) as exit_:
             main(["--prompt", "x"] + argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err

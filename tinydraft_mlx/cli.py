@@ -1,4 +1,6 @@
-"""Command line: `python -m tinydraft_mlx.generate` (console script `tinydraft-mlx`).
+"""Command line: `python -m tinydraft_mlx.generate` (console script `tinydraft-mlx`), here in
+`cli.py` so that no module of the package is named like the API function `generate` (importing
+such a module rebinds the package attribute `tinydraft_mlx.generate` to it).
 
 Streams the generated text as rounds are accepted and prints `stats.summary()` on stderr.
 Bad arguments exit with status 2 and one line naming the flag, the allowed range and the value.
@@ -10,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
+from pathlib import Path
 from typing import NoReturn
 
-from . import api
 from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
 from .distributed import DesyncError, ranks_of
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
-from .prompt_cache import PromptCache, PromptCacheError, cache_file
+from .prompt_cache import PromptCache, PromptCacheError
 from .pruning import VocabError
 from .sampling import ParameterError, SamplingParams, check_int
 from .speculative import PREFILL_STEP
@@ -37,6 +38,7 @@ FLAGS = {
     "max_kv_size": "--max-kv-size",
     "stop": "--stop",
     "draft_vocab": "--draft-vocab",
+    "draft_vocab_counts": "--draft-vocab-counts",
 }
 
 
@@ -115,6 +117,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
     if args.distributed and args.prompt_cache_file is not None:
         _fail(parser, "--prompt-cache-file cannot be used with --distributed (each rank holds "
                       "only its shard of the target's cache)")
+    if args.prompt_cache_file is not None:
+        parent = Path(args.prompt_cache_file).parent
+        if not parent.is_dir():  # found before the generation, not after it
+            _fail(parser, f"--prompt-cache-file {args.prompt_cache_file}: directory "
+                          f"{str(parent)!r} does not exist")
     try:
         sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
         check_k(args.k)
@@ -137,7 +144,7 @@ def _load_prompt_cache(path: str | None, target, draft, max_kv_size) -> PromptCa
     """The cache in `path` if it exists, else a new one; None without --prompt-cache-file."""
     if path is None:
         return None
-    if cache_file(path).exists():
+    if Path(path).exists():
         pc = PromptCache.load(path, target, draft)
         if max_kv_size not in (None, pc.max_kv_size):
             raise ValueError(f"--max-kv-size {max_kv_size} differs from the prompt cache file's "
@@ -227,16 +234,6 @@ def _stream_text(steps, quiet: bool = False) -> int:
             print(stats.summary(), file=sys.stderr)
     return code
 
-
-class _CallableModule(types.ModuleType):
-    """Importing this module rebinds `tinydraft_mlx.generate` from the API function to the module;
-    making the module callable keeps `tinydraft_mlx.generate(...)` working either way."""
-
-    def __call__(self, *args, **kwargs):
-        return api.generate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

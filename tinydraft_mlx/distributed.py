@@ -85,5 +85,5 @@ def join() -> Ranks:
     if group.size() < 2:
         raise ValueError("--distributed: this process is not one of several ranks; start it "
                          "with mlx.launch (e.g. mlx.launch --backend ring --hosts 127.0.0.1 -n 2 "
-                         "-m tinydraft_mlx.generate --distributed ...)")
+                         "python -m tinydraft_mlx.generate --distributed ...)")
     return Ranks(group)

@@ -22,6 +22,7 @@ from .backend import resolve_dtype, warn_if_slow_blas
 from .distributed import join
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from .pruning import prune_draft
+from .sampling import ParameterError
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
@@ -175,6 +176,13 @@ def load_models(
     `tinydraft_mlx.skinny`; `skinny.disable(model)` turns it off).
     """
     resolve_dtype(dtype)  # fail on a bad dtype before loading anything
+    if draft_vocab_counts is not None and draft_vocab is None:
+        raise ParameterError("draft_vocab_counts", "used with draft_vocab (it says which tokens "
+                             "draft_vocab keeps)", str(draft_vocab_counts))
+    if draft_vocab is not None and draft is not None and str(draft).lower() in (NO_DRAFT,
+                                                                                PROMPT_LOOKUP):
+        raise ParameterError("draft_vocab", "used with a draft model (not prompt lookup or none)",
+                             str(draft).lower())
     warn_if_slow_blas()
     if target is None:
         if not (DEMO_DIR / "target" / "config.json").is_file():

@@ -80,23 +80,6 @@ class DraftLengthPolicy:
         self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
         self.chosen: Counter[int] = Counter()
 
-    @property
-    def switch_seconds(self) -> float:
-        """Moving average of the draft's catch-up when drafting resumes after plain rounds."""
-        return self.costs.switch_seconds
-
-    @switch_seconds.setter
-    def switch_seconds(self, value: float) -> None:
-        self.costs.switch_seconds = value
-
-    @property
-    def switches(self) -> int:
-        return self.costs.switches
-
-    @switches.setter
-    def switches(self, value: int) -> None:
-        self.costs.switches = value
-
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
         """Estimated seconds of a round drafting k tokens (needs R(0) measured)."""
@@ -164,7 +147,7 @@ class DraftLengthPolicy:
         # measured at past switches) and interrupts pipelined plain decoding (the step after the
         # stretch is not overlapped with the host's work: one plain round's worth).
         expected = self.expected_tokens(alphas, best)
-        loss = (self.round_cost(best) + self.switch_seconds + self.round_seconds[0]
+        loss = (self.round_cost(best) + self.costs.switch_seconds + self.round_seconds[0]
                 - expected * self.round_seconds[0])
         if self.plain_seconds * self.probe_budget >= loss:
             self.plain_seconds = 0.0
@@ -179,9 +162,10 @@ class DraftLengthPolicy:
         price of a switch, which prices probes but not sustained drafting (round_seconds)."""
         self.chosen[k] += 1
         if catch_up > 0:
-            self.switches += 1
-            weight = max(self.smoothing, 1.0 / self.switches)
-            self.switch_seconds += weight * (catch_up - self.switch_seconds)
+            costs = self.costs
+            costs.switches += 1
+            weight = max(self.smoothing, 1.0 / costs.switches)
+            costs.switch_seconds += weight * (catch_up - costs.switch_seconds)
         if k > 0:  # forget per observation: a stretch of plain rounds keeps the last evidence
             for i in range(self.k_max):
                 self.accepted[i] *= self.decay

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,13 +29,6 @@ from .lookup import draft_model
 
 FORMAT = "tinydraft-mlx prompt cache 1"
 MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1
-
-
-def cache_file(path: str | Path) -> Path:
-    """The file a prompt cache is saved to and read from: `path`, with ".safetensors" added when
-    it lacks it (as `mx.save_safetensors` does), so saving and loading name the same file."""
-    path = Path(path)
-    return path if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors")
 
 
 class PromptCacheError(ValueError):
@@ -156,8 +150,9 @@ class PromptCache:
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
         """Write both caches, the tokens and a fingerprint of the models to one safetensors
-        file (".safetensors" is added to `path` if missing). `metadata`: extra strings stored
-        with it (returned by `load`'s `.metadata`)."""
+        file at exactly `path` (whatever its suffix), atomically: a failure leaves the file as
+        it was. `metadata`: extra strings stored with it (returned by `load`'s `.metadata`).
+        PromptCacheError when its directory does not exist."""
         arrays: dict[str, mx.array] = {}
         layers = {}
         for prefix, cache in (("target", self.target_cache), ("draft", self.draft_cache)):
@@ -173,16 +168,27 @@ class PromptCache:
             "layers": layers,
             "metadata": dict(metadata or {}),
         }
-        mx.save_safetensors(str(cache_file(path)), arrays,
-                            metadata={"tinydraft_mlx": json.dumps(info)})
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise PromptCacheError(f"cannot save the prompt cache to {str(path)!r}: directory "
+                                   f"{str(path.parent)!r} does not exist")
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial.safetensors")
+        try:
+            mx.save_safetensors(str(partial), arrays,
+                                metadata={"tinydraft_mlx": json.dumps(info)})
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str | Path, target: nn.Module, draft: Any = None) -> PromptCache:
         """Read a file written by `save` for these models; PromptCacheError (one sentence) for a
         missing or foreign file, or models other than those it was made with."""
-        path = cache_file(path)
+        path = Path(path)
+        if not path.is_file():
+            raise PromptCacheError(f"prompt cache file {str(path)!r} does not exist")
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
+            arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
             info = json.loads(meta["tinydraft_mlx"])
             assert info["format"] == FORMAT
         except Exception:  # unreadable, not safetensors, or not ours: one sentence either way

@@ -74,11 +74,14 @@ def save_counts(path: str | Path, tokenizer: Any, counts: list[int],
 def load_counts(path: str | Path, tokenizer: Any) -> list[int]:
     """The counts in `path`; VocabError unless it is a counts file of this tokenizer."""
     path = Path(path)
+    if not path.is_file():
+        raise VocabError(f"token counts file {str(path)!r} does not exist (make one with: "
+                         "python -m tinydraft_mlx.vocab FILES... -o counts.json)")
     try:
         info = json.loads(path.read_text())
         assert info["format"] == FORMAT
         counts = [int(c) for c in info["counts"]]
-    except Exception:  # missing, unreadable, not JSON, not ours: one sentence either way
+    except Exception:  # unreadable, not JSON, not ours: one sentence either way
         raise VocabError(f"{str(path)!r} is not a tinydraft-mlx token counts file (make one "
                          "with: python -m tinydraft_mlx.vocab FILES... -o counts.json)") from None
     if info["tokenizer"] != tokenizer_fingerprint(tokenizer):
@@ -167,7 +170,7 @@ def prune_draft(draft: nn.Module, tokenizer: Any, n: int,
     width = getattr(getattr(draft, "args", None), "vocab_size", None)
     if not isinstance(draft, nn.Module) or width is None:
         raise ParameterError("draft_vocab", "used with a draft model (not prompt lookup or none)",
-                             type(draft).__name__)
+                             _draft_name(draft))
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= width:
         raise ParameterError("draft_vocab", f"an integer in [1, {width}] (the draft's "
                              "vocabulary)", n)
@@ -179,6 +182,15 @@ def prune_draft(draft: nn.Module, tokenizer: Any, n: int,
                              "-o counts.json, then pass that file")
     counts = load_counts(counts_file, tokenizer)
     return PrunedDraft(draft, kept_ids(counts, n, width))
+
+
+def _draft_name(draft: object) -> str:
+    """How the user named a draft that is not a model: "none", "prompt-lookup", or its type."""
+    from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+
+    if draft is None:
+        return NO_DRAFT
+    return PROMPT_LOOKUP if isinstance(draft, PromptLookup) else type(draft).__name__
 
 
 def _file_fingerprint(path: Path) -> str | None:

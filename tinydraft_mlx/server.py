@@ -48,7 +48,7 @@ from . import limits
 from . import openai_schema as oa
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cache import KEEP
-from .generate import flag_message
+from .cli import flag_message
 from .lookup import NO_DRAFT, PROMPT_LOOKUP
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from .sampling import ParameterError, SamplingParams, check_int

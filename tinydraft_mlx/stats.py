@@ -76,8 +76,8 @@ class GenerationStats:
     def summary(self) -> str:
         """One readable line."""
         speed = (
-            f"{self.generated} tokens in {self.decode_seconds:.2f}s "
-            f"({self.tokens_per_second:.1f} tok/s), prompt {self.prompt_tokens} tokens "
+            f"{_count(self.generated, 'token')} in {self.decode_seconds:.2f}s "
+            f"({self.tokens_per_second:.1f} tok/s), prompt {_count(self.prompt_tokens, 'token')} "
             f"in {self.prefill_seconds:.2f}s"
             + (f" ({self.cached_tokens} cached)" if self.cached_tokens else "")
             + f", peak memory {self.peak_memory:.3f} GB"
@@ -88,10 +88,15 @@ class GenerationStats:
         return (
             f"speculative k={self.k}: {speed}; acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted}/{self.drafted}), {self.mean_accepted_length:.2f} accepted + 1 per "
-            f"round over {self.rounds} rounds, per position [{positions}]"
+            f"round over {_count(self.rounds, 'round')}, per position [{positions}]"
+            # the choices of k="auto"; a fixed k's rounds only shorten where max_tokens is near
             + (f", rounds by k {dict(sorted(self.k_histogram.items()))}"
-               if len(self.k_histogram) > 1 else "")
+               if self.k == "auto" and len(self.k_histogram) > 1 else "")
         )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _grow(counts: list[int], size: int) -> None:

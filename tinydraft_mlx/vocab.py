@@ -29,6 +29,17 @@ def _files(paths: Sequence[str]) -> Iterator[Path]:
             raise FileNotFoundError(f"{name!r} is neither a file nor a directory")
 
 
+def read_text(path: Path) -> str | None:
+    """The file's text, or None for a binary file (a NUL byte, or not UTF-8: weights, images)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Count tokens in FILES with the tokenizer of --model and write the counts file."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -45,7 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(resolve_model_path(args.model or DEMO_DIR / "target"))
     except (FileNotFoundError, ModelLoadError) as err:
         p.exit(2, f"{p.prog}: error: {err}\n")
-    texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+    texts, skipped = [], []
+    for f in files:
+        text = read_text(f)
+        (texts if text is not None else skipped).append(text if text is not None else f)
+    if skipped:
+        print(f"skipped {len(skipped)} binary (not UTF-8 text) files, e.g. {str(skipped[0])!r}",
+              file=sys.stderr)
+    if not texts:
+        p.exit(2, f"{p.prog}: error: no text files among {args.files}\n")
+    files = [f for f in files if f not in skipped]
     counts = count_tokens(tokenizer, texts)
     save_counts(args.output, tokenizer, counts, [str(f) for f in files][:1000])
     print(f"{len(files)} files, {sum(counts)} tokens, {sum(c > 0 for c in counts)} distinct "
