@@ -166,3 +166,29 @@ def test_a_failure_while_checking_exits_3_not_2(monkeypatch, capsys):
     assert main(["--quick"]) == 3
     err = capsys.readouterr().err
     assert "error while checking: ValueError: [matmul]" in err and len(err.splitlines()) == 1
+
+
+def test_the_checks_own_forwards_run_on_the_generation_stream(demo):
+    """A forward on the default stream makes a second thread call the BLAS, which slowed every
+    figure measured after it (the two-stream trap): the check's own model calls run on the
+    generation stream."""
+    import mlx.nn as nn
+
+    from tinydraft_mlx.check import _first_distributions
+    from tinydraft_mlx.sampling import SamplingParams
+
+    target, draft, tok = demo
+    outside = str(mx.default_stream(mx.default_device()))
+    seen = []
+
+    class Spy(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def __call__(self, *args, **kwargs):
+            seen.append(str(mx.default_stream(mx.default_device())))
+            return self.inner(*args, **kwargs)
+
+    _first_distributions(Spy(target), Spy(draft), tok.encode("def f(x):"), SamplingParams(1.0))
+    assert len(seen) == 2 and outside not in seen
