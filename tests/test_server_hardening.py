@@ -175,7 +175,7 @@ def test_a_non_streaming_client_that_hangs_up_ends_its_generation(served, models
 
 def test_a_long_tokenization_does_not_stall_the_event_loop(served, models, monkeypatch):
     """Tokenizing a 7.5 MB prompt took ~10 s on the event loop: /health and every stream
-    stalled. Tokenization (here made to take 2 s) now runs on a thread: /health answers in well
+    stalled. Tokenization (here made to take 2 s) now runs on a thread: /health answers in
     under a second meanwhile."""
     _, _, tokenizer = models
     original = tokenizer.encode
