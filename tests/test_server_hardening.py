@@ -175,8 +175,8 @@ def test_a_non_streaming_client_that_hangs_up_ends_its_generation(served, models
 
 def test_a_long_tokenization_does_not_stall_the_event_loop(served, models, monkeypatch):
     """Tokenizing a 7.5 MB prompt took ~10 s on the event loop: /health and every stream
-    stalled. Tokenization (here made to take 2 s) now runs on a thread: /health answers in
-    under a second meanwhile."""
+    stalled. Tokenization (here a long prompt's made to take 2 s) now runs on a thread: /health
+    answers, and a short request is served, in under a second or two meanwhile."""
     _, _, tokenizer = models
     original = tokenizer.encode
     slow = threading.Event()
@@ -189,15 +189,21 @@ def test_a_long_tokenization_does_not_stall_the_event_loop(served, models, monke
 
     monkeypatch.setattr(tokenizer._tokenizer, "encode", encode)  # what the wrapper delegates to
     result = {}
+    long_prompt = "SLOW " + "def f(x):\n    return x\n" * 3000  # 69k characters: a long one
     thread = threading.Thread(target=lambda: result.update(r=httpx.post(
-        served.url + COMPLETIONS, json={"prompt": "SLOW def f(", "max_tokens": 4}, timeout=30)))
+        served.url + COMPLETIONS, json={"prompt": long_prompt, "max_tokens": 4}, timeout=30)))
     thread.start()
     assert slow.wait(10)
     start = time.monotonic()
     r = httpx.get(served.url + "/health", timeout=10)
     assert r.status_code == 200 and time.monotonic() - start < 1.0
+    # a short prompt is not held up behind the long one's tokenization
+    r = httpx.post(served.url + COMPLETIONS, json={"prompt": "import os\n", "max_tokens": 4},
+                   timeout=30)
+    assert r.status_code == 200 and time.monotonic() - start < 1.5
     thread.join(30)
-    assert result["r"].status_code == 200
+    assert result["r"].status_code == 400  # 4096 positions cannot hold it: refused, after 2 s
+    assert result["r"].json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_untokenized(models):

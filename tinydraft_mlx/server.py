@@ -12,10 +12,10 @@ Bad input is answered with HTTP 400 and OpenAI's error body naming the field, th
 and the value; unknown models with 404; bodies over the limit with 413. Anything else that goes
 wrong is ours: a logged 500 with the same body, and the server goes on.
 
-Hard to wedge: prompts are tokenized off the event loop, one at a time (`/health` and the
-streams keep flowing), after cheap checks that bound the work (fields first; a text longer than
-the context could hold is refused untokenized); a client that hangs up, streaming or not, ends
-its generation within a round; connections that send no complete request within
+Hard to wedge: prompts are tokenized off the event loop (`/health` and the streams keep
+flowing), long ones one at a time, after cheap checks that bound the work (fields first; a text
+longer than the context could hold is refused untokenized); a client that hangs up, streaming
+or not, ends its generation within a round; connections that send no complete request within
 `header_timeout` are closed, bodies must arrive within `body_timeout`, at most
 `max_connections` are open at once; repeated log records are rate-limited (`limits.py`).
 """
@@ -61,6 +61,7 @@ DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, NO_DRAFT)
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive
+LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
 
 log = logging.getLogger("tinydraft_mlx.server")
 
@@ -133,17 +134,20 @@ class Service:
         # per byte, so none decodes to more): a text longer than limit x this cannot fit
         vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
         self.token_chars = max(map(len, vocab), default=0) or None
-        self._planning = asyncio.Semaphore(1)  # one tokenization at a time, off the loop
-        self._planners = 0  # requests planning or waiting to
+        self._planning = asyncio.Semaphore(1)  # one long prompt's tokenization at a time
+        self._planners = 0  # long prompts planning or waiting to
 
     # -- validation ------------------------------------------------------------------------------
 
     async def plan_off_loop(self, req: CompletionRequest | ChatCompletionRequest,
                             chat: bool) -> Plan:
-        """`plan` on a worker thread, one request at a time (tokenizing a long prompt takes
-        seconds); 503 when more requests than the queue holds are already waiting to."""
+        """`plan` on a worker thread. Long prompts (tokenizing 7.5 MB takes ~10 s) are planned
+        one at a time, so a few of them cannot take every thread, while short ones go straight
+        through; 503 when more long ones than the queue holds are already waiting."""
+        if _prompt_chars(req, chat) <= LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(self.plan, req, chat)
         if self._planners >= self.worker.max_queue:
-            raise _busy(f"{self._planners} requests are being tokenized or waiting to", 1)
+            raise _busy(f"{self._planners} long prompts are being tokenized or waiting to", 1)
         self._planners += 1
         try:
             async with self._planning:
@@ -481,6 +485,20 @@ async def _next(events: asyncio.Queue) -> Any:
     if event is _GONE:
         raise _ClientGone
     return event
+
+
+def _prompt_chars(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> int:
+    """Characters of text the request asks to tokenize (token-id prompts: none)."""
+    if chat:
+        total = 0
+        for m in req.messages or []:
+            parts = m.content if isinstance(m.content, list) else [m.content]
+            total += sum(len(p if isinstance(p, str) else p.text or "") for p in parts if p)
+        return total
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
 
 
 def _busy(message: str, retry_after: int) -> APIError:
