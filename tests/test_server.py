@@ -455,6 +455,11 @@ def test_other_bad_requests(served, small):
     big = {"prompt": "x" * (2 << 20)}
     r = httpx.post(served.url + COMPLETIONS, json=big, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(small.url + COMPLETIONS, json={"prompt": "x", "num_draft_tokens": 64},
+                   timeout=10)  # 65 positions a round do not fit a 64-position cache
+    assert r.status_code == 400 and r.json()["error"]["param"] == "num_draft_tokens"
+    assert r.json()["error"]["message"] == ("num_draft_tokens must be an integer in [1, 59] or "
+                                            '"auto" with max_kv_size 64 (got 64)')
     r = httpx.post(small.url + COMPLETIONS, json={"prompt": list(range(1, 80))}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "79 tokens" in r.json()["error"]["message"]
@@ -585,6 +590,8 @@ def test_server_flags_are_checked_before_loading(capsys):
     for argv, message in [(["-k", "0"], "--num-draft-tokens must be"),
                           (["--max-queue", "0"], "--max-queue must be an integer >= 1 (got 0)"),
                           (["--max-kv-size", "3"], "--max-kv-size must be"),
+                          (["--max-kv-size", "10", "-k", "6"], "--num-draft-tokens must be an "
+                           "integer in [1, 5] with max_kv_size 10 (got 6)"),
                           (["--temp", "-1"], "--temp must be")]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)

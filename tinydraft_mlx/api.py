@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import KEEP, Cache, cache_length, make_cache
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup, draft_model
-from .policy import AUTO
+from .policy import AUTO, AUTO_MAX_K
 from .prompt_cache import PromptCache
 from .sampling import ParameterError, SamplingParams, check_float, check_int
 from .speculative import Processor, Progress, Token, decode, max_draft_length, vocab_width
@@ -40,14 +40,20 @@ def eos_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def check_k(k: int | str) -> None:
-    """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto"."""
-    if k == AUTO:
+def check_k(k: int | str, max_kv_size: int | None = None) -> None:
+    """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto" (which drafts up to
+    AUTO_MAX_K); with caches bounded to `max_kv_size` positions, a round's k + 1 positions must
+    fit beside the sink positions too."""
+    top = MAX_DRAFT_TOKENS if max_kv_size is None else min(MAX_DRAFT_TOKENS,
+                                                           max_kv_size - KEEP - 1)
+    allowed = f"an integer in [1, {top}]" + (' or "auto"' if top >= AUTO_MAX_K else "") + (
+        f" with max_kv_size {max_kv_size}" if top < MAX_DRAFT_TOKENS else "")
+    if k == AUTO and top >= AUTO_MAX_K:
         return
     try:
-        check_int("k", k, 1, MAX_DRAFT_TOKENS)
+        check_int("k", k, 1, top)
     except ParameterError:
-        raise ParameterError("k", f'an integer in [1, {MAX_DRAFT_TOKENS}] or "auto"', k) from None
+        raise ParameterError("k", allowed, k) from None
 
 
 def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | PromptLookup | None:

@@ -188,7 +188,8 @@ class Service:
         try:
             SamplingParams(options["temperature"], options["top_p"], options["top_k"],
                            options["min_p"], options["seed"])
-            check_k(k)  # checked whatever the draft: a bad value is an error, never ignored
+            # checked whatever the draft: a bad value is an error, never ignored
+            check_k(k, self.worker.max_kv_size if draft != NO_DRAFT else None)
             if max_tokens is not None:
                 check_int("max_tokens", max_tokens, 1)
             check_stop(options["stop"])
@@ -763,6 +764,8 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             raise ParameterError("--header-timeout", "> 0", args.header_timeout)
         if args.max_kv_size is not None:
             check_int("--max-kv-size", args.max_kv_size, KEEP + 2)
+            if (args.draft or "").lower() != NO_DRAFT:
+                check_k(k, args.max_kv_size)
         SamplingParams(args.temp, 1.0, 0, 0.0, None)
     except ParameterError as err:
         _fail(parser, flag_message(err))
