@@ -179,19 +179,20 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
     own cost (what sustained drafting costs)."""
     import time
 
+    import tinydraft_mlx.drafters as drafters
     import tinydraft_mlx.speculative as spec
 
     target, draft, tok = pair
     policy = _Recording()
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
-    real, in_rounds = spec.prefill, []
+    real, in_rounds = drafters.prefill, []
 
     def slow_catch_up(model, cache, tokens, *args, **kwargs):
         if in_rounds:
             time.sleep(0.2)
         real(model, cache, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(spec, "prefill", slow_catch_up)
+    monkeypatch.setattr(drafters, "prefill", slow_catch_up)  # the draft model's catch-up
     steps = stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20)
     next(steps)
     in_rounds.append(True)

@@ -15,11 +15,12 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from .cache import KEEP, Cache, cache_length, make_cache
-from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup, draft_model
+from .drafters import max_draft_length, resolve_drafter
+from .lookup import PromptLookup
 from .policy import AUTO, AUTO_MAX_K
 from .prompt_cache import PromptCache
 from .sampling import ParameterError, SamplingParams, check_float, check_int
-from .speculative import Processor, Progress, Token, decode, max_draft_length, vocab_width
+from .speculative import Processor, Progress, Token, decode, vocab_width
 from .stats import GenerationStats
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
 
@@ -54,19 +55,6 @@ def check_k(k: int | str, max_kv_size: int | None = None) -> None:
         check_int("k", k, 1, top)
     except ParameterError:
         raise ParameterError("k", allowed, k) from None
-
-
-def resolve_draft(draft: nn.Module | PromptLookup | str | None) -> nn.Module | PromptLookup | None:
-    """A draft argument as the decode loop takes it: "prompt-lookup" becomes a `PromptLookup`,
-    "none" (as in `load_models` and the CLI) becomes None."""
-    if isinstance(draft, str):
-        if draft.lower() == NO_DRAFT:
-            return None
-        if draft.lower() != PROMPT_LOOKUP:
-            allowed = f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None'
-            raise ParameterError("draft", allowed, draft)
-        return PromptLookup()
-    return draft
 
 
 def _check_float(name: str, value: object, low: float, high: float) -> None:
@@ -182,8 +170,8 @@ def stream_generate(
     prompt_progress_callback(processed, total): during the prefill of the uncached prompt tokens.
     """
     sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
-    draft = resolve_draft(draft)
-    if draft is not None:
+    drafter = resolve_drafter(draft)
+    if drafter.drafts:
         check_k(k)
     check_int("max_tokens", max_tokens, 1)
     stops = check_stop(stop)
@@ -198,8 +186,8 @@ def stream_generate(
         raise ParameterError("prompt_progress_callback", "a callable f(processed, total)",
                              prompt_progress_callback)
     ids = prompt_ids(tokenizer, prompt, width)
-    k_eff = max_draft_length(draft, k)
-    model = draft_model(draft)
+    k_eff = max_draft_length(drafter, k)
+    model = drafter.model
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise ParameterError("prompt_cache", "a PromptCache", type(prompt_cache).__name__)
@@ -221,7 +209,7 @@ def stream_generate(
 
     def steps(target_cache: Cache, draft_cache: Cache | None) -> Iterator[Token]:
         return decode(
-            target, draft, ids, k=k, max_tokens=max_tokens, sampling=sampling,
+            target, drafter, ids, k=k, max_tokens=max_tokens, sampling=sampling,
             eos_token_ids=eos, target_cache=target_cache, draft_cache=draft_cache,
             logits_processors=processors, prompt_progress_callback=prompt_progress_callback,
         )

@@ -45,12 +45,11 @@ from mlx.utils import tree_flatten
 from .api import generate, stream_generate
 from .backend import active_blas, device_name, generation_stream
 from .cache import make_cache, rollback
-from .forward import forward
+from .drafters import draft_model, resolve_drafter
+from .forward import forward, prefill
 from .loading import ModelLoadError, default_draft, load_draft, load_models
-from .lookup import draft_model
 from .prompt_cache import PromptCache
 from .sampling import ParameterError, SamplingParams, check_int, warp
-from .speculative import prefill
 
 KS = (1, 2, 4, 8)
 NEAR_TIE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2.5e-1}  # top-2 gaps that may flip
@@ -288,7 +287,8 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
                  else None for k in args.ks}
     return {
         "draft": name,
-        "plain": draft is None,  # the baseline: its "speedups" are plain vs plain (noise)
+        # the baseline: its "speedups" are plain vs plain (noise)
+        "plain": not resolve_drafter(draft).drafts,
         "greedy_identical": not failures,
         "greedy": greedy,
         "sampling_p_value": sampled["p_value"],

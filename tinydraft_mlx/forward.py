@@ -1,4 +1,5 @@
-"""The decode loop's model forward: an `mx.compile`d step run on mlx-lm's own KV caches.
+"""The decode loop's model forward: an `mx.compile`d step run on mlx-lm's own KV caches; and the
+eager chunked prefill beside it (`prefill`), with the ids a model's embedding can take.
 
 With small, fast forwards (a 0.5B draft on Apple silicon, the demo pair on a CPU) building the
 graph in Python costs as much as running it: about 25 Python-level ops per layer, each a few
@@ -25,12 +26,14 @@ tensor-parallel ranks, TINYDRAFT_COMPILE=0) runs the eager forward.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from .cache import Cache
 from .distributed import ranks_of
 
 COMPILE_ENV = "TINYDRAFT_COMPILE"
@@ -39,6 +42,7 @@ MIN_BUFFER = 256
 LINEAR_BUFFER = 4096  # beyond this, buffers grow by this much instead of doubling
 _STATE = "_tinydraft_forward"  # per model: {kernel set name: _Compiled or False}
 _KERNELS = "_tinydraft_kernels"  # the name of the module set the model runs now
+PREFILL_STEP = 512
 
 
 def enabled() -> bool:
@@ -167,3 +171,34 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
     return logits
+
+
+def vocab_width(model: nn.Module) -> int | None:
+    """Rows of the model's embedding (its logit width for Qwen2), from the mlx-lm config."""
+    return getattr(getattr(model, "args", None), "vocab_size", None)
+
+
+def model_inputs(model: nn.Module, tokens: list[int]) -> list[int]:
+    """`tokens` made safe for `model`'s embedding. Only the draft can meet ids beyond its width
+    (the target's logits may be wider, e.g. Qwen2.5-7B vs 0.5B); they become its last row. That
+    only changes which q the draft proposes from, never the exactness of the output."""
+    width = vocab_width(model)
+    return tokens if width is None else [min(t, width - 1) for t in tokens]
+
+
+def prefill(
+    model: nn.Module,
+    cache: Cache,
+    tokens: list[int],
+    step: int = PREFILL_STEP,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens; `progress(n)`
+    after each chunk with the tokens processed so far."""
+    tokens = model_inputs(model, tokens)
+    for start in range(0, len(tokens), step):
+        model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
+        mx.eval([layer.state for layer in cache])
+        mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
+        if progress is not None:
+            progress(min(start + step, len(tokens)))

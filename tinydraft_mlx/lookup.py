@@ -14,12 +14,6 @@ PROMPT_LOOKUP = "prompt-lookup"  # the draft argument that selects this drafter
 NO_DRAFT = "none"  # the draft argument for plain decoding
 
 
-def draft_model(draft: object) -> object | None:
-    """The draft when it is a model; None for plain decoding and model-free drafters (a
-    `PromptLookup`, or a drafter's name not yet resolved)."""
-    return None if draft is None or isinstance(draft, (str, PromptLookup)) else draft
-
-
 class PromptLookup:
     """The drafter: settings only; each generation gets its own `NgramIndex` from `index(seq)`.
 

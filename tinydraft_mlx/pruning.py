@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .drafters import resolve_drafter
 from .sampling import ParameterError
 
 FORMAT = "tinydraft-mlx token counts 1"
@@ -186,11 +187,11 @@ def prune_draft(draft: nn.Module, tokenizer: Any, n: int,
 
 def _draft_name(draft: object) -> str:
     """How the user named a draft that is not a model: "none", "prompt-lookup", or its type."""
-    from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
-
-    if draft is None:
-        return NO_DRAFT
-    return PROMPT_LOOKUP if isinstance(draft, PromptLookup) else type(draft).__name__
+    try:
+        drafter = resolve_drafter(draft)
+    except ParameterError:
+        return type(draft).__name__
+    return drafter.name if drafter.model is None else type(draft).__name__
 
 
 def _file_fingerprint(path: Path) -> str | None:

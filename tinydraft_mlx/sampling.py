@@ -1,4 +1,5 @@
-"""Sampling parameters and the one warp that turns logits into a distribution.
+"""Sampling parameters, logits processors (mlx-lm's protocol) and the one warp that turns logits
+into a distribution.
 
 The same `warp` produces the target distribution p and the draft distribution q, so top-k, top-p
 and min-p stay exact on the speculative path: rejection sampling over warped p and q yields tokens
@@ -8,6 +9,7 @@ distributed exactly as warped p. Order: temperature -> top-k -> top-p -> min-p.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -16,6 +18,8 @@ import mlx.core as mx
 # divided by 1e-38 become inf and every probability NaN (every token then came out as one id).
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e6
+
+Processor = Callable[[mx.array, mx.array], mx.array]  # (tokens (L,), logits (1, V)) -> logits
 
 class ParameterError(ValueError):
     """A parameter outside its allowed range. Keeps the parts so a CLI can name its own flag."""
@@ -68,6 +72,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def process_logits(
+    logits: mx.array, history: mx.array, drafts: list[mx.array], processors: Sequence[Processor]
+) -> mx.array:
+    """(1, V) logits after `processors`, for the position that follows history + drafts."""
+    if not processors:
+        return logits
+    tokens = mx.concatenate([history, *(d.reshape(1) for d in drafts)]) if drafts else history
+    for processor in processors:
+        logits = processor(tokens, logits)
+    return logits
 
 
 def _renormalize(probs: mx.array, keep: mx.array) -> mx.array:

@@ -49,10 +49,10 @@ from . import openai_schema as oa
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cache import KEEP
 from .cli import flag_message
+from .forward import vocab_width
 from .lookup import NO_DRAFT, PROMPT_LOOKUP
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from .sampling import ParameterError, SamplingParams, check_int
-from .speculative import vocab_width
 from .text import chat_text, check_stop, prompt_ids
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 

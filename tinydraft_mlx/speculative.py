@@ -31,16 +31,16 @@ from mlx_lm.generate import wired_limit
 from .backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
-from .forward import forward, traces
-from .lookup import NgramIndex, PromptLookup, draft_model
-from .policy import AUTO, AUTO_MAX_K, DraftLengthPolicy, shared_policy
+from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter
+from .forward import PREFILL_STEP, forward, prefill, traces, vocab_width
+from .policy import AUTO, DraftLengthPolicy, shared_policy
 from .rejection import greedy_accept, speculative_accept
-from .sampling import SamplingParams, warp
+from .sampling import Processor, SamplingParams, process_logits, warp
 from .stats import GenerationStats
 
-PREFILL_STEP = 512
+__all__ = ["PREFILL_STEP", "Processor", "Progress", "Token", "decode", "max_draft_length",
+           "prefill", "vocab_width"]
 
-Processor = Callable[[mx.array, mx.array], mx.array]  # (tokens (L,), logits (1, V)) -> logits
 Progress = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens to process)
 
 
@@ -56,98 +56,6 @@ class Token:
     stats: GenerationStats
     logprobs: mx.array | None = None
     finish_reason: str | None = None
-
-
-def vocab_width(model: nn.Module) -> int | None:
-    """Rows of the model's embedding (its logit width for Qwen2), from the mlx-lm config."""
-    return getattr(getattr(model, "args", None), "vocab_size", None)
-
-
-def model_inputs(model: nn.Module, tokens: list[int]) -> list[int]:
-    """`tokens` made safe for `model`'s embedding. Only the draft can meet ids beyond its width
-    (the target's logits may be wider, e.g. Qwen2.5-7B vs 0.5B); they become its last row. That
-    only changes which q the draft proposes from, never the exactness of the output."""
-    width = vocab_width(model)
-    return tokens if width is None else [min(t, width - 1) for t in tokens]
-
-
-def prefill(
-    model: nn.Module,
-    cache: Cache,
-    tokens: list[int],
-    step: int = PREFILL_STEP,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens; `progress(n)`
-    after each chunk with the tokens processed so far."""
-    tokens = model_inputs(model, tokens)
-    for start in range(0, len(tokens), step):
-        model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
-        mx.eval([layer.state for layer in cache])
-        mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
-        if progress is not None:
-            progress(min(start + step, len(tokens)))
-
-
-def _process(
-    logits: mx.array, history: mx.array, drafts: list[mx.array], processors: Sequence[Processor]
-) -> mx.array:
-    """(1, V) logits after `processors`, for the position that follows history + drafts."""
-    if not processors:
-        return logits
-    tokens = mx.concatenate([history, *(d.reshape(1) for d in drafts)]) if drafts else history
-    for processor in processors:
-        logits = processor(tokens, logits)
-    return logits
-
-
-def _draft_logits(
-    logits: mx.array, history: mx.array, drafts: list[mx.array],
-    processors: Sequence[Processor], width: int | None,
-) -> mx.array:
-    """The draft's (Vq,) logits after the processors. The processors know the target's ids
-    (`width`): a narrower draft's logits are padded with -inf for them, then cut back."""
-    if not processors:
-        return logits
-    extra = 0 if width is None else width - logits.shape[-1]
-    row = logits[None]
-    if extra > 0:
-        row = mx.pad(row, [(0, 0), (0, extra)], constant_values=-float("inf"))
-    return _process(row, history, drafts, processors)[0, : logits.shape[-1]]
-
-
-def _draft_chain(
-    draft: nn.Module,
-    cache: Cache,
-    unseen: list[int],
-    k: int,
-    params: SamplingParams,
-    key: mx.array | None,
-    history: mx.array | None = None,
-    processors: Sequence[Processor] = (),
-    width: int | None = None,
-) -> tuple[mx.array, mx.array | None]:
-    """Propose k tokens. Returns draft tokens (k,) and, when sampling, their distributions q (k, V).
-
-    Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
-    With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
-    """
-    keys = None if params.greedy else mx.random.split(key, k)
-    x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
-    tokens, qs = [], []
-    for i in range(k):
-        logits = forward(draft, x[None], cache)[0, -1]  # (Vq,)
-        logits = _draft_logits(logits, history, tokens, processors, width)
-        if params.greedy:
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
-        else:
-            q = warp(logits, params)
-            token = mx.random.categorical(mx.log(q), key=keys[i]).astype(mx.int32)
-            qs.append(q)
-        mx.async_eval(token)
-        tokens.append(token)
-        x = token[None]
-    return mx.stack(tokens), (mx.stack(qs) if qs else None)
 
 
 def _verify(
@@ -177,7 +85,8 @@ def _verify(
         x = mx.minimum(x, width - 1)
     logits = forward(target, x[None], cache)  # (1, k+1, Vp)
     if processors:
-        rows = [_process(logits[:, i], history, [drafts[j] for j in range(i)], processors)
+        rows = [process_logits(logits[:, i], history, [drafts[j] for j in range(i)],
+                               processors)
                 for i in range(logits.shape[1])]
         logits = mx.stack(rows, axis=1)
     if params.greedy:
@@ -190,26 +99,22 @@ def _verify(
     return mx.concatenate([n, token, drafts]).tolist(), logprobs
 
 
-def _rollback_both(target_cache: Cache, draft_cache: Cache | None, keep: int) -> None:
+def _rollback_both(target_cache: Cache, drafter: Drafter, keep: int) -> None:
     """Both caches forget everything after `keep` tokens (the accepted prefix)."""
     rollback(target_cache, keep)
-    if draft_cache is not None:
-        rollback(draft_cache, keep)
+    drafter.rollback(keep)
 
 
-def max_draft_length(draft: object, k: int | str) -> int:
-    """The most tokens a round may draft: 0 without a draft, 8 for k="auto", else k."""
-    return 0 if draft is None else AUTO_MAX_K if k == AUTO else k
-
-
-def _point_mass(tokens: mx.array, width: int) -> mx.array:
-    """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
-    return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
+def _propose(drafter: Drafter, k: int, sampling: SamplingParams, key: mx.array | None,
+             width: int | None, history: mx.array | None,
+             processors: Sequence[Processor]) -> Proposal:
+    """Up to k draft tokens (k,) and, when sampling, their distributions q (k, V)."""
+    return drafter.propose(k, sampling, key, history, processors, width)
 
 
 def decode(
     target: nn.Module,
-    draft: nn.Module | PromptLookup | None,
+    draft: object,
     prompt: list[int],
     *,
     k: int | str = 4,
@@ -222,7 +127,8 @@ def decode(
     prompt_progress_callback: Progress | None = None,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
-    `api.stream_generate`). `draft` is a model, a `PromptLookup`, or None (plain decoding); `k` an
+    `api.stream_generate`). `draft` is a model, a `PromptLookup`, None (plain decoding) or a
+    resolved `Drafter` (`drafters.resolve_drafter`); `k` an
     int or "auto" (a `DraftLengthPolicy` picks it every round). Caches may be passed in holding a
     prefix of `prompt` (it is not recomputed); whenever the generator stops (length, EOS, close,
     an error) each cache holds at most seq[:-1]. `prompt_progress_callback(processed, total)`
@@ -231,8 +137,8 @@ def decode(
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
-    lookup = draft if isinstance(draft, PromptLookup) else None
-    model = draft_model(draft)
+    drafter = resolve_drafter(draft)
+    model = drafter.model
     target_cache = make_cache(target) if target_cache is None else target_cache
     if model is not None and draft_cache is None:
         draft_cache = make_cache(model)
@@ -250,11 +156,10 @@ def decode(
         seed = ranks.agree(seed) if ranks else seed
     key = mx.random.key(seed)
     policy = None
-    k_cap = max_draft_length(draft, k)
-    stats = GenerationStats(k=k if draft is not None else 0, prompt_tokens=len(prompt),
+    k_cap = max_draft_length(drafter, k)
+    stats = GenerationStats(k=k if drafter.drafts else 0, prompt_tokens=len(prompt),
                             cached_tokens=cache_length(target_cache))
     seq = list(prompt)
-    index = lookup.index(seq) if lookup is not None else None
     stream = generation_stream()
     width = vocab_width(target)
     pending = seq[cache_length(target_cache) : -1]
@@ -272,19 +177,18 @@ def decode(
                     progress(0)
                 prefill(target, target_cache, pending, progress=progress)
                 target_prefill = time.perf_counter() - start
-                if model is not None:
-                    prefill(model, draft_cache, seq[cache_length(draft_cache) : -1])
+                drafter.begin(seq, draft_cache)  # a draft model prefills what it lacks
             stats.prefill_seconds = time.perf_counter() - start
-            if k == AUTO and draft is not None:
+            if k == AUTO and drafter.drafts:
                 # the draft/target cost ratio seen in prefill seeds the first guess of a draft
                 # step; acceptance is learned per sampling regime, costs per pair
                 draft_prefill = stats.prefill_seconds - target_prefill
                 ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
-                draft_key = repr(lookup) if lookup is not None else model
                 regime = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
-                policy = shared_policy(target, draft_key, min(1.0, max(0.0, ratio)), regime)
+                policy = shared_policy(target, drafter.policy_key, min(1.0, max(0.0, ratio)),
+                                       regime)
                 stats.policy = policy
-            if draft is None:
+            if not drafter.drafts:
                 yield from _plain(target, target_cache, seq, max_tokens, sampling, key, eos,
                                   stats, stream, logits_processors)
                 return
@@ -316,17 +220,17 @@ def decode(
                 if not sampling.greedy:
                     key, draft_key, verify_key = mx.random.split(key, 3)
                 with mx.stream(stream):
-                    catch_up = _catch_up(model, draft_cache, seq) if k_round else 0.0
+                    catch_up = drafter.catch_up() if k_round else 0.0
                     history = mx.array(seq, dtype=mx.int32) if logits_processors else None
-                    drafts, q = _propose(model, draft_cache, index, seq, k_round, sampling,
-                                         draft_key, width, history, logits_processors)
+                    drafts, q = _propose(drafter, k_round, sampling, draft_key, width, history,
+                                         logits_processors)
                     (n, token, *proposed), logprobs = _verify(
                         target, target_cache, seq[-1], drafts, q, sampling, verify_key,
                         history, logits_processors,
                     )
                 # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k (nor
                 # the bonus token): it stays behind and catches up at the start of the next round.
-                _rollback_both(target_cache, draft_cache, len(seq) + n)
+                _rollback_both(target_cache, drafter, len(seq) + n)
                 stats.record_round(len(proposed), n)
                 elapsed = time.perf_counter() - start
                 stats.decode_seconds += elapsed
@@ -349,7 +253,7 @@ def decode(
                         return
         finally:
             stats.finish_reason = stats.finish_reason or "closed"
-            _rollback_both(target_cache, draft_cache, len(seq) - 1)
+            _rollback_both(target_cache, drafter, len(seq) - 1)
             if ranks is not None and sys.exc_info()[0] in (None, GeneratorExit):
                 ranks.check_same(seq[len(prompt):])  # the ranks must have generated the same
 
@@ -367,7 +271,7 @@ def _plain_step(
     log-probabilities (V,), the history including the next token). Nothing is evaluated."""
     logits = forward(target, token[None], cache)[:, -1]  # (1, V)
     if processors:
-        logits = _process(logits, history, [], processors)
+        logits = process_logits(logits, history, [], processors)
     logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (V,)
     if sampling.greedy:
         nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -443,44 +347,3 @@ def _plain(
         y, logprobs, history = following
 
 
-def _catch_up(model: nn.Module | None, draft_cache: Cache | None, seq: list[int]) -> float:
-    """Feed the draft model what it missed (after plain rounds) but the last token, as a prefill,
-    so that at most 2 tokens remain for its first step; returns the seconds it took (prefill
-    evaluates, so this is device time too). Nothing to do (0.0) within a run of drafting rounds."""
-    if model is None or draft_cache is None:
-        return 0.0
-    unseen = seq[cache_length(draft_cache) :]
-    if len(unseen) <= 2:
-        return 0.0
-    start = time.perf_counter()
-    prefill(model, draft_cache, unseen[:-1])
-    return time.perf_counter() - start
-
-
-def _propose(
-    model: nn.Module | None,
-    draft_cache: Cache | None,
-    index: NgramIndex | None,
-    seq: list[int],
-    k: int,
-    sampling: SamplingParams,
-    key: mx.array | None,
-    target_width: int | None,
-    history: mx.array | None = None,
-    processors: Sequence[Processor] = (),
-) -> tuple[mx.array, mx.array | None]:
-    """Up to k draft tokens (k,) and, when sampling, their distributions q (k, V): from the
-    n-gram index (point masses), or from the draft model, which must have seen all of `seq` but
-    its last 2 tokens (after plain rounds of k="auto" the caller runs `_catch_up` first)."""
-    empty = mx.zeros((0,), dtype=mx.int32), None
-    if k == 0:
-        return empty
-    if index is not None:
-        proposal = index.propose(k)
-        if not proposal:
-            return empty
-        drafts = mx.array(proposal, dtype=mx.int32)
-        return drafts, None if sampling.greedy else _point_mass(drafts, target_width)
-    unseen = seq[cache_length(draft_cache) :]
-    return _draft_chain(model, draft_cache, unseen, k, sampling, key, history, processors,
-                        target_width)

@@ -1,0 +1,235 @@
+"""Draft sources behind one small protocol, and the one resolver that turns the user's `draft`
+argument into one: a draft model (a `PrunedDraft` is one too), prompt lookup, or none.
+
+The decode loop asks a `Drafter` for proposals and never what kind it holds:
+
+- `begin(seq, cache)`: a generation starts on `seq` (the loop's growing list: prompt + emitted);
+  `cache` is the draft model's KV cache (None without a model). A model draft prefills what its
+  cache lacks but the last token; prompt lookup indexes `seq`.
+- `propose(k, sampling, key, history, processors, width)`: up to k tokens (k,) continuing `seq`
+  and, when sampling, their distributions q (k, width) (point masses for a deterministic
+  proposal); fewer (or none) where the source has nothing to offer.
+- `catch_up()`: after plain rounds, feed a model what it missed (seconds spent; 0.0 otherwise).
+- `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix).
+- `drafts` (False: plain decoding), `model` (the model whose cache generation and prompt caches
+  keep), `policy_key` (what `k="auto"` keeps its learning under), `name` ("model",
+  "prompt-lookup", "none").
+
+Knows nothing about the loop, text or serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import Cache, cache_length, rollback
+from .forward import forward, model_inputs, prefill
+from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
+from .policy import AUTO, AUTO_MAX_K
+from .sampling import ParameterError, Processor, SamplingParams, process_logits, warp
+
+MODEL = "model"
+
+Proposal = tuple[mx.array, mx.array | None]  # draft ids (k,), their q (k, V) when sampling
+
+
+class Drafter(Protocol):
+    """What the decode loop asks of a draft source, for one generation at a time."""
+
+    name: str
+    drafts: bool
+    model: nn.Module | None
+    policy_key: object
+
+    def begin(self, seq: list[int], cache: Cache | None) -> None: ...
+
+    def propose(self, k: int, sampling: SamplingParams, key: mx.array | None,
+                history: mx.array | None, processors: Sequence[Processor],
+                width: int | None) -> Proposal: ...
+
+    def catch_up(self) -> float: ...
+
+    def rollback(self, keep: int) -> None: ...
+
+
+def _empty() -> Proposal:
+    return mx.zeros((0,), dtype=mx.int32), None
+
+
+class NoDraft:
+    """Plain decoding: nothing is ever proposed."""
+
+    name, drafts, model, policy_key = NO_DRAFT, False, None, None
+
+    def begin(self, seq: list[int], cache: Cache | None) -> None:
+        pass
+
+    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
+        return _empty()
+
+    def catch_up(self) -> float:
+        return 0.0
+
+    def rollback(self, keep: int) -> None:
+        pass
+
+
+class ModelDraft:
+    """A draft model: k single-token steps, queued with `mx.async_eval` (no host sync along the
+    chain), on its own KV cache, which holds a prefix of `seq`."""
+
+    name, drafts = MODEL, True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = self.policy_key = model
+        self.seq: list[int] = []
+        self.cache: Cache | None = None
+
+    def begin(self, seq: list[int], cache: Cache | None) -> None:
+        self.seq, self.cache = seq, cache
+        prefill(self.model, cache, seq[cache_length(cache) : -1])
+
+    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
+        """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
+        plain rounds)."""
+        if k == 0:
+            return _empty()
+        unseen = self.seq[cache_length(self.cache) :]
+        return _draft_chain(self.model, self.cache, unseen, k, sampling, key, history,
+                            processors, width)
+
+    def catch_up(self) -> float:
+        """Feed the model what it missed (after plain rounds) but the last token, as a prefill,
+        so that at most 2 tokens remain for its first step; returns the seconds it took (prefill
+        evaluates, so this is device time too). Nothing to do (0.0) within a run of drafting
+        rounds."""
+        unseen = self.seq[cache_length(self.cache) :]
+        if len(unseen) <= 2:
+            return 0.0
+        start = time.perf_counter()
+        prefill(self.model, self.cache, unseen[:-1])
+        return time.perf_counter() - start
+
+    def rollback(self, keep: int) -> None:
+        if self.cache is not None:
+            rollback(self.cache, keep)
+
+
+class LookupDraft:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the current suffix,
+    from an n-gram index of `seq` (no model, no cache). A deterministic proposal: its q is the
+    point mass on each proposed token."""
+
+    name, drafts, model = PROMPT_LOOKUP, True, None
+
+    def __init__(self, settings: PromptLookup) -> None:
+        self.settings = settings
+        self.policy_key = repr(settings)
+        self.index: NgramIndex | None = None
+
+    def begin(self, seq: list[int], cache: Cache | None) -> None:
+        self.index = self.settings.index(seq)
+
+    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
+        proposal = self.index.propose(k) if k else []
+        if not proposal:
+            return _empty()
+        drafts = mx.array(proposal, dtype=mx.int32)
+        return drafts, None if sampling.greedy else _point_mass(drafts, width)
+
+    def catch_up(self) -> float:
+        return 0.0
+
+    def rollback(self, keep: int) -> None:
+        pass  # the index reads `seq` itself
+
+
+def resolve_drafter(draft: object) -> Drafter:
+    """The drafter for a `draft` argument: a model, "prompt-lookup" or a `PromptLookup`, None or
+    "none" (plain decoding), or a drafter already resolved (returned as it is). ParameterError
+    for anything else."""
+    if draft is None:
+        return NoDraft()
+    if isinstance(draft, (NoDraft, ModelDraft, LookupDraft)):
+        return draft
+    if isinstance(draft, PromptLookup):
+        return LookupDraft(draft)
+    if isinstance(draft, str):
+        if draft.lower() == NO_DRAFT:
+            return NoDraft()
+        if draft.lower() == PROMPT_LOOKUP:
+            return LookupDraft(PromptLookup())
+        raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None', draft)
+    if callable(draft):  # a model: anything mlx-lm-like, model(tokens, cache=...) -> logits
+        return ModelDraft(draft)
+    raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None',
+                         type(draft).__name__)
+
+
+def draft_model(draft: object) -> nn.Module | None:
+    """The model behind a `draft` argument (None for prompt lookup and plain decoding)."""
+    return resolve_drafter(draft).model
+
+
+def max_draft_length(drafter: Drafter, k: int | str) -> int:
+    """The most tokens a round may draft: 0 without drafting, 8 for k="auto", else k."""
+    return 0 if not drafter.drafts else AUTO_MAX_K if k == AUTO else k
+
+
+def _point_mass(tokens: mx.array, width: int) -> mx.array:
+    """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
+    return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
+
+
+def _draft_logits(
+    logits: mx.array, history: mx.array, drafts: list[mx.array],
+    processors: Sequence[Processor], width: int | None,
+) -> mx.array:
+    """The draft's (Vq,) logits after the processors. The processors know the target's ids
+    (`width`): a narrower draft's logits are padded with -inf for them, then cut back."""
+    if not processors:
+        return logits
+    extra = 0 if width is None else width - logits.shape[-1]
+    row = logits[None]
+    if extra > 0:
+        row = mx.pad(row, [(0, 0), (0, extra)], constant_values=-float("inf"))
+    return process_logits(row, history, drafts, processors)[0, : logits.shape[-1]]
+
+
+def _draft_chain(
+    draft: nn.Module,
+    cache: Cache,
+    unseen: list[int],
+    k: int,
+    params: SamplingParams,
+    key: mx.array | None,
+    history: mx.array | None = None,
+    processors: Sequence[Processor] = (),
+    width: int | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """Propose k tokens. Returns draft tokens (k,) and, when sampling, their distributions q (k, V).
+
+    Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
+    With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
+    """
+    keys = None if params.greedy else mx.random.split(key, k)
+    x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
+    tokens, qs = [], []
+    for i in range(k):
+        logits = forward(draft, x[None], cache)[0, -1]  # (Vq,)
+        logits = _draft_logits(logits, history, tokens, processors, width)
+        if params.greedy:
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        else:
+            q = warp(logits, params)
+            token = mx.random.categorical(mx.log(q), key=keys[i]).astype(mx.int32)
+            qs.append(q)
+        mx.async_eval(token)
+        tokens.append(token)
+        x = token[None]
+    return mx.stack(tokens), (mx.stack(qs) if qs else None)
