@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NoReturn
 
-import mlx.nn as nn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -49,6 +48,7 @@ from . import openai_schema as oa
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cache import KEEP
 from .cli import flag_message
+from .drafters import MODEL, resolve_drafter
 from .forward import vocab_width
 from .lookup import NO_DRAFT, PROMPT_LOOKUP
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
@@ -56,7 +56,7 @@ from .sampling import ParameterError, SamplingParams, check_int
 from .text import chat_text, check_stop, prompt_ids
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
-DRAFT_MODEL = "model"
+DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, or none
 DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, NO_DRAFT)
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 8 << 20
@@ -784,9 +784,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         path = Path(args.chat_template)
         tokenizer.chat_template = (path.read_text() if path.is_file()
                                    else args.chat_template)
-    model = draft if isinstance(draft, nn.Module) else None
-    default_draft = DRAFT_MODEL if model is not None else (
-        PROMPT_LOOKUP if draft is not None else NO_DRAFT)
+    drafter = resolve_drafter(draft)
+    model, default_draft = drafter.model, drafter.name
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
                     cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue)
     name = args.model_name or args.target or "tinydraft-demo"
