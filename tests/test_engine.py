@@ -227,6 +227,27 @@ def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, sched
     _assert_cache_holds(target, tc, (ids + out)[:-1])
 
 
+def test_a_lookup_round_that_finds_nothing_is_a_plain_step(pair, reference, monkeypatch):
+    """Prompt lookup with no earlier occurrence of the suffix proposes nothing: that round is a
+    plain step, booked as a plain round whose time (an unpipelined step) is not taken as the cost
+    of pipelined plain decoding; the output is plain greedy decoding's."""
+    import tinydraft_mlx.speculative as spec
+    from tinydraft_mlx import PromptLookup
+
+    target, _, _ = pair
+    ids, ref = reference
+    policy = _Recording()
+    policy.SCHEDULE = [3]  # always ask for 3 drafts
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    tokens = list(decode(target, PromptLookup(), ids, k="auto", max_tokens=40))
+    assert [t.id for t in tokens] == ref[:40]
+    plain = [seconds for k, seconds in policy.updates if k == 0]
+    # all but the last are misses (the last round, with no room for drafts, is a plain step
+    # queued while the one before it ran: pipelined, so its time counts)
+    assert len(plain) > 10 and all(seconds == 0.0 for seconds in plain[:-1])
+    assert tokens[-1].stats.k_histogram[0] == len(plain)
+
+
 def test_the_api_function_is_not_shadowed_by_a_module():
     """`tinydraft_mlx.generate` is the API function after importing every module of the package
     (the CLI used to live in `generate.py`: importing the server rebound the name to it)."""

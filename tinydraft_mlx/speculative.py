@@ -1,6 +1,8 @@
-"""The draft/verify loop, and plain decoding (no draft: `_plain`, pipelined as mlx-lm's
-`generate_step`, with the same statistics, caches and rollback; the plain rounds `k="auto"` chooses
-run as pipelined stretches of it, or, on tensor-parallel ranks, as rounds with k = 0).
+"""The decode loop: rounds of propose -> verify -> accept -> commit, over any drafter
+(`drafters.py`). Plain decoding is the k = 0 round of the same loop: a plain step, pipelined as
+mlx-lm's `generate_step` when the next round is plain too (no draft; `k="auto"`'s plain rounds;
+a prompt lookup that found nothing is one unpipelined plain step), with the same statistics,
+caches and rollback.
 
 Knows nothing about text: token ids in, token ids out. Each round the draft proposes k tokens (its
 steps are queued with `mx.async_eval`, no host sync along the chain), the target scores
@@ -112,6 +114,62 @@ def _propose(drafter: Drafter, k: int, sampling: SamplingParams, key: mx.array |
     return drafter.propose(k, sampling, key, history, processors, width)
 
 
+@dataclass
+class _Generation:
+    """One generation's state, shared by its rounds. `seq` is prompt + emitted tokens; at the
+    start of a round the target holds seq[:-1]. `choose(limit)` gives the next round's k."""
+
+    target: nn.Module
+    target_cache: Cache
+    drafter: Drafter
+    seq: list[int]
+    stats: GenerationStats
+    sampling: SamplingParams
+    eos: frozenset[int]
+    max_tokens: int
+    processors: Sequence[Processor]
+    stream: mx.Stream
+    key: mx.array
+    k_cap: int
+    policy: DraftLengthPolicy | None = None
+    ranks: object = None
+    width: int | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether plain steps may be queued a round ahead: the next round's k is then chosen
+        before this one's token is read; from k="auto"'s local timings, tensor-parallel ranks
+        would have to agree on it every token, so they run its plain rounds unpipelined."""
+        return self.ranks is None or self.policy is None
+
+    def choose(self, limit: int) -> int:
+        """k for a round that may emit at most limit + 1 tokens."""
+        if self.policy is None:
+            return min(self.k_cap, limit)
+        k = self.policy.choose(limit)
+        return self.ranks.agree(k) if self.ranks is not None else k
+
+    def split(self, n: int) -> list[mx.array]:
+        """n fresh keys (None when greedy: greedy rounds use no randomness)."""
+        if self.sampling.greedy:
+            return [None] * n
+        self.key, *keys = mx.random.split(self.key, n + 1)
+        return keys
+
+    def traces(self) -> int:
+        return traces(self.target) + traces(self.drafter.model)
+
+
+@dataclass
+class _Step:
+    """A plain step queued on the device: its token (1,), its log-probabilities (V,), the
+    history after it (for logits processors)."""
+
+    token: mx.array
+    logprobs: mx.array
+    history: mx.array | None
+
+
 def decode(
     target: nn.Module,
     draft: object,
@@ -128,15 +186,31 @@ def decode(
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
     `api.stream_generate`). `draft` is a model, a `PromptLookup`, None (plain decoding) or a
-    resolved `Drafter` (`drafters.resolve_drafter`); `k` an
-    int or "auto" (a `DraftLengthPolicy` picks it every round). Caches may be passed in holding a
-    prefix of `prompt` (it is not recomputed); whenever the generator stops (length, EOS, close,
-    an error) each cache holds at most seq[:-1]. `prompt_progress_callback(processed, total)`
-    follows the target's prefill of the prompt tokens not already cached.
+    resolved `Drafter` (`drafters.resolve_drafter`); `k` an int or "auto" (a `DraftLengthPolicy`
+    picks it every round). Caches may be passed in holding a prefix of `prompt` (it is not
+    recomputed); whenever the generator stops (length, EOS, close, an error, in the prefill too)
+    each cache holds at most seq[:-1]. `prompt_progress_callback(processed, total)` follows the
+    target's prefill of the prompt tokens not already cached.
 
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
+    g, draft_cache = _start(target, draft, prompt, k, max_tokens, sampling, eos_token_ids,
+                            target_cache, draft_cache, logits_processors)
+    with wired_limit((target, g.drafter.model), [g.stream]):
+        try:  # from the prefill on: however it ends, `finally` leaves the caches consistent
+            _prefill(g, draft_cache, k, prompt_progress_callback)
+            yield from _rounds(g)
+        finally:
+            g.stats.finish_reason = g.stats.finish_reason or "closed"
+            _rollback_both(g.target_cache, g.drafter, len(g.seq) - 1)
+            if g.ranks is not None and sys.exc_info()[0] in (None, GeneratorExit):
+                g.ranks.check_same(g.seq[len(prompt):])  # the ranks must have generated the same
+
+
+def _start(target, draft, prompt, k, max_tokens, sampling, eos_token_ids, target_cache,
+           draft_cache, processors) -> tuple[_Generation, Cache | None]:
+    """The generation's state and the draft model's cache (made where missing), checked."""
     drafter = resolve_drafter(draft)
     model = drafter.model
     target_cache = make_cache(target) if target_cache is None else target_cache
@@ -154,108 +228,127 @@ def decode(
     if seed is None:
         seed = random.SystemRandom().getrandbits(31 if ranks else 63)
         seed = ranks.agree(seed) if ranks else seed
-    key = mx.random.key(seed)
-    policy = None
-    k_cap = max_draft_length(drafter, k)
     stats = GenerationStats(k=k if drafter.drafts else 0, prompt_tokens=len(prompt),
                             cached_tokens=cache_length(target_cache))
-    seq = list(prompt)
-    stream = generation_stream()
-    width = vocab_width(target)
-    pending = seq[cache_length(target_cache) : -1]
-    progress = None
-    if prompt_progress_callback is not None:
-        def progress(done: int) -> None:
-            prompt_progress_callback(done, len(pending))
+    g = _Generation(target, target_cache, drafter, list(prompt), stats, sampling,
+                    frozenset(eos_token_ids), max_tokens, processors, generation_stream(),
+                    mx.random.key(seed), max_draft_length(drafter, k), ranks=ranks,
+                    width=vocab_width(target))
+    return g, draft_cache
 
-    with wired_limit((target, model), [stream]):
-        eos = frozenset(eos_token_ids)
-        try:  # from the prefill on: however it ends, `finally` leaves the caches consistent
-            start = time.perf_counter()
-            with mx.stream(stream):
-                if progress is not None:
-                    progress(0)
-                prefill(target, target_cache, pending, progress=progress)
-                target_prefill = time.perf_counter() - start
-                drafter.begin(seq, draft_cache)  # a draft model prefills what it lacks
-            stats.prefill_seconds = time.perf_counter() - start
-            if k == AUTO and drafter.drafts:
-                # the draft/target cost ratio seen in prefill seeds the first guess of a draft
-                # step; acceptance is learned per sampling regime, costs per pair
-                draft_prefill = stats.prefill_seconds - target_prefill
-                ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
-                regime = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
-                policy = shared_policy(target, drafter.policy_key, min(1.0, max(0.0, ratio)),
-                                       regime)
-                stats.policy = policy
-            if not drafter.drafts:
-                yield from _plain(target, target_cache, seq, max_tokens, sampling, key, eos,
-                                  stats, stream, logits_processors)
-                return
-            chosen = None  # k picked at the end of a plain stretch, for the round after it
-            while stats.generated < max_tokens:
-                start = time.perf_counter()
-                # never draft more than can be emitted: a round emits up to k_round + 1 tokens
-                limit = max_tokens - stats.generated - 1
-                if policy is None:
-                    k_round = min(k_cap, limit)
-                else:
-                    k_round = policy.choose(limit) if chosen is None else min(chosen, limit)
-                    chosen = None
-                if ranks is not None and policy is not None:  # chosen from local timings
-                    k_round = ranks.agree(k_round)
-                elif k_round == 0 and policy is not None:
-                    # plain rounds chosen by k="auto" run pipelined, as plain decoding does,
-                    # until the policy picks a k again (one process: the ranks would have to
-                    # agree on every token)
-                    key, plain_key = mx.random.split(key)
-                    chosen = yield from _plain(target, target_cache, seq, max_tokens, sampling,
-                                               plain_key, eos, stats, stream, logits_processors,
-                                               policy)
-                    if chosen is None:  # finished (length or EOS)
-                        return
-                    continue
-                traced = traces(target) + traces(model)
-                draft_key = verify_key = None  # greedy rounds use no randomness
-                if not sampling.greedy:
-                    key, draft_key, verify_key = mx.random.split(key, 3)
-                with mx.stream(stream):
-                    catch_up = drafter.catch_up() if k_round else 0.0
-                    history = mx.array(seq, dtype=mx.int32) if logits_processors else None
-                    drafts, q = _propose(drafter, k_round, sampling, draft_key, width, history,
-                                         logits_processors)
+
+def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
+             callback: Progress | None) -> None:
+    """Prefill the target (with progress) and the drafter; with k="auto", take the pair's
+    policy, its first guess of a draft step seeded by the draft/target prefill time ratio."""
+    pending = g.seq[cache_length(g.target_cache) : -1]
+    progress = None
+    if callback is not None:
+        def progress(done: int) -> None:
+            callback(done, len(pending))
+
+    start = time.perf_counter()
+    with mx.stream(g.stream):
+        if progress is not None:
+            progress(0)
+        prefill(g.target, g.target_cache, pending, progress=progress)
+        target_prefill = time.perf_counter() - start
+        g.drafter.begin(g.seq, draft_cache)  # a draft model prefills what it lacks
+    g.stats.prefill_seconds = time.perf_counter() - start
+    if k == AUTO and g.drafter.drafts:  # acceptance is learned per sampling regime
+        draft_prefill = g.stats.prefill_seconds - target_prefill
+        ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
+        s = g.sampling
+        g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
+                                 (s.temperature, s.top_p, s.top_k, s.min_p))
+        g.stats.policy = g.policy
+
+
+def _rounds(g: _Generation) -> Iterator[Token]:
+    """Rounds until max_tokens or EOS: propose -> verify -> accept -> commit. A round of k = 0
+    (plain decoding, k="auto"'s plain rounds, a prompt lookup that found nothing) is a plain
+    step; plain steps are pipelined as mlx-lm's `generate_step`: when the next round is plain
+    too, its step is queued before this one's token is read, so the host's work overlaps the
+    device's (the step queued past the last token is rolled back by `decode`'s `finally`)."""
+    chosen, step = None, None  # the next round's k and plain step, when already decided
+    while g.stats.generated < g.max_tokens:
+        start, traced = time.perf_counter(), g.traces()
+        limit = g.max_tokens - g.stats.generated - 1
+        k = g.choose(limit) if chosen is None else chosen
+        chosen, catch_up = None, 0.0
+        if k > 0:
+            draft_key, verify_key = g.split(2)
+            with mx.stream(g.stream):
+                catch_up = g.drafter.catch_up()
+                history = mx.array(g.seq, dtype=mx.int32) if g.processors else None
+                drafts, q = _propose(g.drafter, k, g.sampling, draft_key, g.width, history,
+                                     g.processors)
+            if drafts.size:
+                with mx.stream(g.stream):
                     (n, token, *proposed), logprobs = _verify(
-                        target, target_cache, seq[-1], drafts, q, sampling, verify_key,
-                        history, logits_processors,
-                    )
-                # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k (nor
-                # the bonus token): it stays behind and catches up at the start of the next round.
-                _rollback_both(target_cache, drafter, len(seq) + n)
-                stats.record_round(len(proposed), n)
-                elapsed = time.perf_counter() - start
-                stats.decode_seconds += elapsed
-                stats.peak_memory = mx.get_peak_memory() / 1e9
-                # the draft's catch-up is the price of switching from plain rounds, booked apart
-                # from the round's own cost; a round that traced a compiled step (once per shape
-                # and process) says nothing about later rounds
-                if policy is not None:
-                    timed = traces(target) + traces(model) == traced
-                    policy.update(len(proposed), n, elapsed - catch_up if timed else 0.0,
-                                  catch_up=catch_up)
-                for i, tok in enumerate(proposed[:n] + [token]):
-                    seq.append(tok)
-                    stats.generated += 1
-                    finish = ("eos" if tok in eos else
-                              "length" if stats.generated >= max_tokens else None)
-                    stats.finish_reason = finish
-                    yield Token(tok, i < n, stats, logprobs[i], finish)
-                    if finish is not None:
-                        return
-        finally:
-            stats.finish_reason = stats.finish_reason or "closed"
-            _rollback_both(target_cache, drafter, len(seq) - 1)
-            if ranks is not None and sys.exc_info()[0] in (None, GeneratorExit):
-                ranks.check_same(seq[len(prompt):])  # the ranks must have generated the same
+                        g.target, g.target_cache, g.seq[-1], drafts, q, g.sampling,
+                        verify_key, history, g.processors)
+                # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k
+                # (nor the bonus token): it stays behind, catching up in the next round.
+                _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
+                timed = g.traces() == traced
+                if (yield from _commit(g, proposed[:n] + [token], len(proposed), logprobs,
+                                       start, timed, catch_up)):
+                    return
+                continue
+        pipelined = step is not None
+        if step is None:  # nothing queued: this round's step goes first
+            step = _queue(g, mx.array(g.seq[-1:], dtype=mx.int32), None)
+        following = None
+        if g.pipelined and g.stats.generated + 1 < g.max_tokens:
+            chosen = g.choose(limit - 1)  # the next round's k, before this token is read
+            if chosen == 0:
+                following = _queue(g, step.token, step.history)
+        token = step.token.item()
+        # timed: a pipelined step that traced nothing (a stretch's first step overlapped
+        # nothing: the probe's price counts that); ranks run every plain step unpipelined
+        timed = g.traces() == traced and (pipelined or not g.pipelined)
+        if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up)):
+            return
+        step = following
+
+
+def _queue(g: _Generation, token: mx.array, history: mx.array | None) -> _Step:
+    """Queue the plain step after `token` (1,) and start evaluating its token."""
+    if history is None and g.processors:
+        history = mx.array(g.seq, dtype=mx.int32)
+    (key,) = g.split(1)
+    with mx.stream(g.stream):
+        step = _Step(*_plain_step(g.target, g.target_cache, token, history, g.sampling, key,
+                                  g.processors))
+    mx.async_eval(step.token)
+    return step
+
+
+def _commit(g: _Generation, tokens: list[int], drafted: int, logprobs: mx.array,
+            start: float, timed: bool, catch_up: float) -> Generator[Token, None, bool]:
+    """Book a round that drafted `drafted` tokens and accepted all but the last of `tokens`,
+    then emit them; returns True when the generation has finished (EOS or max_tokens). The
+    draft's catch-up is the price of switching from plain rounds, booked apart from the round's
+    own cost; a round that traced a compiled step (once per shape and process) books acceptance
+    only."""
+    n = len(tokens) - 1
+    elapsed = time.perf_counter() - start
+    g.stats.record_round(drafted, n)
+    g.stats.decode_seconds += elapsed
+    g.stats.peak_memory = mx.get_peak_memory() / 1e9
+    if g.policy is not None:
+        g.policy.update(drafted, n, elapsed - catch_up if timed else 0.0, catch_up=catch_up)
+    for i, tok in enumerate(tokens):
+        g.seq.append(tok)
+        g.stats.generated += 1
+        finish = ("eos" if tok in g.eos else
+                  "length" if g.stats.generated >= g.max_tokens else None)
+        g.stats.finish_reason = finish
+        yield Token(tok, i < n, g.stats, logprobs[i], finish)
+        if finish is not None:
+            return True
+    return False
 
 
 def _plain_step(
@@ -278,72 +371,5 @@ def _plain_step(
     else:
         nxt = mx.random.categorical(mx.log(warp(logits, sampling)), key=key).astype(mx.int32)
     return nxt, logprobs, (mx.concatenate([history, nxt]) if processors else None)
-
-
-def _plain(
-    target: nn.Module,
-    cache: Cache,
-    seq: list[int],
-    max_tokens: int,
-    sampling: SamplingParams,
-    key: mx.array,
-    eos: frozenset[int],
-    stats: GenerationStats,
-    stream: mx.Stream,
-    processors: Sequence[Processor],
-    policy: DraftLengthPolicy | None = None,
-) -> Generator[Token, None, int | None]:
-    """Plain decoding, pipelined as mlx-lm's `generate_step`: step t+1 is queued (its graph built
-    and evaluation started) before token t is read, so the host's work overlaps the device's. The
-    step queued past the last token is rolled back by the caller's `finally`, as any round's.
-
-    With `policy` (a stretch of plain rounds chosen by k="auto"): each token is booked as a plain
-    round, and before step t+1 is queued the policy chooses again; when it picks k > 0 nothing
-    more is queued, and after token t the stretch returns that k (the target then holds seq[:-1],
-    as at the start of any round). Returns None when generation finished (length or EOS)."""
-
-    def queue(token: mx.array, history: mx.array | None, key: mx.array) -> tuple:
-        step_key = None
-        if not sampling.greedy:
-            key, step_key = mx.random.split(key)
-        with mx.stream(stream):
-            step = _plain_step(target, cache, token, history, sampling, step_key, processors)
-        mx.async_eval(step[0])
-        return step, key
-
-    history = mx.array(seq, dtype=mx.int32) if processors else None
-    first_token = stats.generated
-    start, traced = time.perf_counter(), traces(target)
-    (y, logprobs, history), key = queue(mx.array(seq[-1:], dtype=mx.int32), history, key)
-    while True:
-        following, chosen = None, 0
-        if stats.generated + 1 < max_tokens:
-            if policy is not None:  # for the round after this token
-                chosen = policy.choose(max_tokens - stats.generated - 2)
-            if chosen == 0:
-                following, key = queue(y, history, key)
-        token = y.item()
-        elapsed = time.perf_counter() - start
-        stats.record_round(0, 0)
-        stats.decode_seconds += elapsed
-        stats.peak_memory = mx.get_peak_memory() / 1e9
-        if policy is not None:
-            # a pipelined plain token's time; not the stretch's first token (nothing overlapped
-            # it: the probe's price counts that) nor one whose step traced a compiled shape
-            timed = traces(target) == traced and stats.generated > first_token
-            policy.update(0, 0, elapsed if timed else 0.0)
-        seq.append(token)
-        stats.generated += 1
-        last = following is None and chosen == 0
-        finish = "eos" if token in eos else "length" if last else None
-        stats.finish_reason = finish
-        yield Token(token, False, stats, logprobs, finish)
-        if finish is not None:
-            return None
-        if following is None:
-            return chosen
-        # the consumer's time between tokens is not decoding
-        start, traced = time.perf_counter(), traces(target)
-        y, logprobs, history = following
 
 
