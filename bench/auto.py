@@ -27,7 +27,7 @@ from oracle_draft import OracleDraft
 
 from bench import PROMPTS, ours
 from tinydraft_mlx import active_blas, load_models
-from tinydraft_mlx import policy as policy_module
+from tinydraft_mlx.engine import policy as policy_module
 
 
 def cold() -> None:

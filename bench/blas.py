@@ -28,8 +28,8 @@ def child(model_path: str, prefill_tokens: int, decode_tokens: int, repeats: int
     from common import machine, model_dtype
 
     from tinydraft_mlx import load_models, stream_generate
-    from tinydraft_mlx.cache import make_cache
-    from tinydraft_mlx.speculative import prefill
+    from tinydraft_mlx.engine.cache import make_cache
+    from tinydraft_mlx.engine.speculative import prefill
 
     target, _, tok = load_models(model_path, "none")
     ids = [(7 * i + 11) % 5000 + 100 for i in range(prefill_tokens)]  # fixed, non-repeating

@@ -16,8 +16,8 @@ import mlx.core as mx
 from common import machine, model_dtype
 
 from tinydraft_mlx import load_models
-from tinydraft_mlx.cache import make_cache
-from tinydraft_mlx.speculative import decode
+from tinydraft_mlx.engine.cache import make_cache
+from tinydraft_mlx.engine.speculative import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "import os\nimport sys\n\n\ndef main(argv=None):\n"

@@ -30,7 +30,7 @@ from common import machine, pyplot, save
 
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.check import forward_ms, leviathan
-from tinydraft_mlx.distributed import ranks_of
+from tinydraft_mlx.engine.distributed import ranks_of
 
 SHAPES = Path.home() / ".cache" / "tinydraft-mlx" / "shapes"
 NS = [1, 2, 3, 5]

@@ -24,9 +24,9 @@ from common import machine, model_dtype, pyplot, save
 from demo_quality import held_out_prompts
 
 from tinydraft_mlx import generate, load_models
-from tinydraft_mlx.cache import make_cache
+from tinydraft_mlx.engine.cache import make_cache
+from tinydraft_mlx.engine.pruning import PrunedDraft, prune_draft
 from tinydraft_mlx.loading import load_model
-from tinydraft_mlx.pruning import PrunedDraft, prune_draft
 
 SHAPES = Path.home() / ".cache" / "tinydraft-mlx" / "shapes"
 

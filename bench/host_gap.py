@@ -27,7 +27,7 @@ from pathlib import Path
 from common import machine, model_dtype, pyplot, save
 from demo_quality import held_out_prompts
 
-import tinydraft_mlx.speculative as spec
+import tinydraft_mlx.engine.speculative as spec
 from tinydraft_mlx import load_models, stream_generate
 
 

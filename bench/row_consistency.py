@@ -18,8 +18,8 @@ import mlx.core as mx
 from common import machine, model_dtype, pyplot, save
 
 from tinydraft_mlx import generate, load_models
-from tinydraft_mlx.cache import make_cache
-from tinydraft_mlx.speculative import prefill
+from tinydraft_mlx.engine.cache import make_cache
+from tinydraft_mlx.engine.speculative import prefill
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",

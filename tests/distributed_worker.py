@@ -17,8 +17,8 @@ from pathlib import Path
 
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload)
 from tinydraft_mlx import generate, load_models
-from tinydraft_mlx.distributed import DesyncError, ranks_of
-from tinydraft_mlx.speculative import decode
+from tinydraft_mlx.engine.distributed import DesyncError, ranks_of
+from tinydraft_mlx.engine.speculative import decode
 
 PROMPT = "class Stack:\n    def push(self, item):"
 # repeated text, so that prompt lookup finds n-grams to copy

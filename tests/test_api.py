@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from tests.reference import check_first_two_tokens, warp_np
 from tinydraft_mlx import GenerationResponse, PromptCache, generate, load_models, stream_generate
-from tinydraft_mlx.cache import cache_length
+from tinydraft_mlx.engine.cache import cache_length
 from tinydraft_mlx.text import StopStrings
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"

@@ -8,9 +8,9 @@ import json
 import mlx.core as mx
 import pytest
 
-import tinydraft_mlx.speculative as spec
+import tinydraft_mlx.engine.speculative as spec
 from tinydraft_mlx.check import P_FAIL, main
-from tinydraft_mlx.rejection import _leading_true, _pad_vocab
+from tinydraft_mlx.engine.rejection import _leading_true, _pad_vocab
 
 KEYS = ["greedy_identical", "sampling_p_value", "costs", "acceptance", "recommended_k",
         "predicted_speedup", "measured_speedup"]
@@ -175,7 +175,7 @@ def test_the_checks_own_forwards_run_on_the_generation_stream(demo):
     import mlx.nn as nn
 
     from tinydraft_mlx.check import _first_distributions
-    from tinydraft_mlx.sampling import SamplingParams
+    from tinydraft_mlx.engine.sampling import SamplingParams
 
     target, draft, tok = demo
     outside = str(mx.default_stream(mx.default_device()))

@@ -43,7 +43,7 @@ def test_cli_auto_k_reaches_the_policy(checkpoints, capsys, monkeypatch):
     """`-k auto` hands every round's k to the policy (here a scripted one: the real policy's
     choices depend on this machine's timings, see test_policy): the summary's histogram shows
     the scripted k values."""
-    import tinydraft_mlx.speculative as spec
+    import tinydraft_mlx.engine.speculative as spec
 
     monkeypatch.setattr(spec, "shared_policy", lambda *args: _Scripted())
     code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
@@ -159,7 +159,7 @@ def test_the_stats_line_speaks_plainly(checkpoints, capsys):
     assert main(base + ["-m", "10", "-k", "4"]) == 0
     err = capsys.readouterr().err
     assert "speculative k=4: 10 tokens" in err and "rounds by k" not in err
-    from tinydraft_mlx.stats import GenerationStats
+    from tinydraft_mlx.engine.stats import GenerationStats
 
     auto = GenerationStats(k="auto", generated=9, rounds=1, drafted=2, accepted=1)
     auto.k_histogram = {0: 3, 2: 1}
@@ -169,7 +169,7 @@ def test_the_stats_line_speaks_plainly(checkpoints, capsys):
 def test_the_distributed_hint_is_a_command_that_runs():
     """The error outside mlx.launch shows the command to start ranks: mlx.launch runs a command
     (`python -m ...`), and `-m tinydraft_mlx.generate` alone is not one."""
-    from tinydraft_mlx.distributed import join
+    from tinydraft_mlx.engine.distributed import join
 
     with pytest.raises(ValueError) as err:
         join()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tinydraft_mlx import SamplingParams, generate, stream_generate
-from tinydraft_mlx.cache import cache_length, make_cache, rollback
-from tinydraft_mlx.speculative import decode, prefill
+from tinydraft_mlx.engine.cache import cache_length, make_cache, rollback
+from tinydraft_mlx.engine.speculative import decode, prefill
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"
 
@@ -179,8 +179,8 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
     own cost (what sustained drafting costs)."""
     import time
 
-    import tinydraft_mlx.drafters as drafters
-    import tinydraft_mlx.speculative as spec
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
 
     target, draft, tok = pair
     policy = _Recording()
@@ -208,7 +208,7 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
 def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, schedule):
     """k="auto" runs the plain rounds it picks as pipelined stretches that end when it picks a
     k again: greedy output unchanged, every token booked once, caches hold seq[:-1]."""
-    import tinydraft_mlx.speculative as spec
+    import tinydraft_mlx.engine.speculative as spec
 
     target, draft, tok = pair
     ids, ref = reference
@@ -231,7 +231,7 @@ def test_a_lookup_round_that_finds_nothing_is_a_plain_step(pair, reference, monk
     """Prompt lookup with no earlier occurrence of the suffix proposes nothing: that round is a
     plain step, booked as a plain round whose time (an unpipelined step) is not taken as the cost
     of pipelined plain decoding; the output is plain greedy decoding's."""
-    import tinydraft_mlx.speculative as spec
+    import tinydraft_mlx.engine.speculative as spec
     from tinydraft_mlx import PromptLookup
 
     target, _, _ = pair

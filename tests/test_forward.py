@@ -1,6 +1,6 @@
-"""The compiled forward (`tinydraft_mlx.forward`): same logits and caches as the eager forward
-through rollbacks and buffer growth, the same tokens from the decode loop either way, and the eager
-fallback wherever the compiled step does not apply.
+"""The compiled forward (`tinydraft_mlx.engine.forward`): same logits and caches as the eager
+forward through rollbacks and buffer growth, the same tokens from the decode loop either way,
+and the eager fallback wherever the compiled step does not apply.
 
 The oracle tests (test_lossless, test_sampling_exactness) run the default path, i.e. compiled;
 here `traces` shows that the compiled step is what ran."""
@@ -12,12 +12,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tinydraft_mlx import forward as forward_module
-from tinydraft_mlx import skinny
-from tinydraft_mlx.cache import make_cache, rollback
-from tinydraft_mlx.forward import COMPILE_ENV, buffer_size, forward, traces
-from tinydraft_mlx.policy import DraftLengthPolicy
-from tinydraft_mlx.speculative import decode, prefill
+from tinydraft_mlx.engine import forward as forward_module
+from tinydraft_mlx.engine import skinny
+from tinydraft_mlx.engine.cache import make_cache, rollback
+from tinydraft_mlx.engine.forward import COMPILE_ENV, buffer_size, forward, traces
+from tinydraft_mlx.engine.policy import DraftLengthPolicy
+from tinydraft_mlx.engine.speculative import decode, prefill
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"
 

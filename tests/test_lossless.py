@@ -152,7 +152,7 @@ class _Scripted:
 def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkeypatch):
     """k="auto" only changes k between rounds; any schedule of k must stay exact. A scripted
     schedule makes that independent of this machine's timings."""
-    import tinydraft_mlx.speculative as spec
+    import tinydraft_mlx.engine.speculative as spec
 
     monkeypatch.setattr(spec, "shared_policy", lambda *args: _Scripted())
     target, draft, tok = pair

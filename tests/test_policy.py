@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from tinydraft_mlx.policy import DraftLengthPolicy
+from tinydraft_mlx.engine.policy import DraftLengthPolicy
 
 
 def simulate(policy, alpha_at, cost, rounds, seed=0):
@@ -103,7 +103,7 @@ def test_histogram_of_choices():
 
 
 def test_shared_policy_per_pair():
-    from tinydraft_mlx.policy import shared_policy
+    from tinydraft_mlx.engine.policy import shared_policy
 
     class Model:  # any weak-referenceable object
         pass
@@ -150,7 +150,7 @@ def test_shared_policy_keeps_costs_per_pair_and_acceptance_per_sampling_regime()
     """Acceptance learned greedily must not steer sampled requests (on the server, T = 0
     acceptance steered T = 1 requests for tens of rounds); costs are the pair's, whatever the
     sampling."""
-    from tinydraft_mlx.policy import MAX_REGIMES, shared_policy
+    from tinydraft_mlx.engine.policy import MAX_REGIMES, shared_policy
 
     class Model:
         pass

@@ -12,7 +12,7 @@ import pytest
 
 from tests.reference import check_first_two_tokens, warp_np
 from tinydraft_mlx import ParameterError, generate, load_models
-from tinydraft_mlx.pruning import (
+from tinydraft_mlx.engine.pruning import (
     DEMO_COUNTS,
     PrunedDraft,
     VocabError,

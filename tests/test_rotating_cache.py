@@ -10,8 +10,8 @@ from mlx_lm.generate import generate_step
 
 from tests.reference import windowed_logits
 from tinydraft_mlx import generate
-from tinydraft_mlx.cache import KEEP, RollbackRotatingKVCache, make_cache
-from tinydraft_mlx.speculative import decode
+from tinydraft_mlx.engine.cache import KEEP, RollbackRotatingKVCache, make_cache
+from tinydraft_mlx.engine.speculative import decode
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"  # 20 tokens
 

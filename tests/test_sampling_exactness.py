@@ -80,7 +80,7 @@ def _case(name, pair, oracle, load):
 @pytest.mark.parametrize("drafter", ["model", "auto", "prompt-lookup", "wide", "bounded"])
 @pytest.mark.parametrize("warp_kw", [dict(temperature=1.0, top_p=0.8)])
 def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, monkeypatch):
-    import tinydraft_mlx.speculative as spec
+    import tinydraft_mlx.engine.speculative as spec
 
     monkeypatch.setattr(spec, "shared_policy", lambda *args: _PlainThenOne())
     target, _, tok = pair

@@ -7,8 +7,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tinydraft_mlx import generate, skinny
-from tinydraft_mlx.forward import COMPILE_ENV
+from tinydraft_mlx import generate
+from tinydraft_mlx.engine import skinny
+from tinydraft_mlx.engine.forward import COMPILE_ENV
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("cpu_fp32")]
 

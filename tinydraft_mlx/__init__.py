@@ -5,13 +5,13 @@ from .backend import active_blas, preload_blas
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
 from .api import generate, stream_generate
+from .engine.lookup import PromptLookup
+from .engine.policy import DraftLengthPolicy
+from .engine.sampling import ParameterError, SamplingParams, warp
+from .engine.speculative import Token
+from .engine.stats import GenerationStats
 from .loading import ModelLoadError, load_models
-from .lookup import PromptLookup
-from .policy import DraftLengthPolicy
 from .prompt_cache import PromptCache, PromptCacheError
-from .sampling import ParameterError, SamplingParams, warp
-from .speculative import Token
-from .stats import GenerationStats
 from .text import GenerationResponse
 
 __all__ = [

@@ -14,14 +14,14 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
-from .cache import KEEP, Cache, cache_length, make_cache
-from .drafters import max_draft_length, resolve_drafter
-from .lookup import PromptLookup
-from .policy import AUTO, AUTO_MAX_K
+from .engine.cache import KEEP, Cache, cache_length, make_cache
+from .engine.drafters import max_draft_length, resolve_drafter
+from .engine.lookup import PromptLookup
+from .engine.policy import AUTO, AUTO_MAX_K
+from .engine.sampling import ParameterError, SamplingParams, check_float, check_int
+from .engine.speculative import Processor, Progress, Token, decode, vocab_width
+from .engine.stats import GenerationStats
 from .prompt_cache import PromptCache
-from .sampling import ParameterError, SamplingParams, check_float, check_int
-from .speculative import Processor, Progress, Token, decode, vocab_width
-from .stats import GenerationStats
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
 
 MAX_DRAFT_TOKENS = 64

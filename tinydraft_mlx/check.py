@@ -44,12 +44,12 @@ from mlx.utils import tree_flatten
 
 from .api import generate, stream_generate
 from .backend import active_blas, device_name, generation_stream
-from .cache import make_cache, rollback
-from .drafters import draft_model, resolve_drafter
-from .forward import forward, prefill
+from .engine.cache import make_cache, rollback
+from .engine.drafters import draft_model, resolve_drafter
+from .engine.forward import forward, prefill
+from .engine.sampling import ParameterError, SamplingParams, check_int, warp
 from .loading import ModelLoadError, default_draft, load_draft, load_models
 from .prompt_cache import PromptCache
-from .sampling import ParameterError, SamplingParams, check_int, warp
 
 KS = (1, 2, 4, 8)
 NEAR_TIE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2.5e-1}  # top-2 gaps that may flip

@@ -17,12 +17,12 @@ from typing import NoReturn
 
 from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
-from .distributed import DesyncError, ranks_of
-from .forward import PREFILL_STEP
+from .engine.distributed import DesyncError, ranks_of
+from .engine.forward import PREFILL_STEP
+from .engine.pruning import VocabError
+from .engine.sampling import ParameterError, SamplingParams, check_int
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
 from .prompt_cache import PromptCache, PromptCacheError
-from .pruning import VocabError
-from .sampling import ParameterError, SamplingParams, check_int
 from .text import chat_ids, check_stop
 
 # API parameter name -> the flag that sets it, so errors name what the user typed

@@ -17,12 +17,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
-from . import skinny
 from .backend import resolve_dtype, warn_if_slow_blas
-from .distributed import join
-from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
-from .pruning import prune_draft
-from .sampling import ParameterError
+from .engine import skinny
+from .engine.distributed import join
+from .engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from .engine.pruning import prune_draft
+from .engine.sampling import ParameterError
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]

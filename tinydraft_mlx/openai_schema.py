@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .stats import GenerationStats
+from .engine.stats import GenerationStats
 from .worker import Piece
 
 # -- requests ------------------------------------------------------------------------------------

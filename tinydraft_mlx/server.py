@@ -46,13 +46,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import limits
 from . import openai_schema as oa
 from .api import MAX_DRAFT_TOKENS, check_k
-from .cache import KEEP
 from .cli import flag_message
-from .drafters import MODEL, resolve_drafter
-from .forward import vocab_width
-from .lookup import NO_DRAFT, PROMPT_LOOKUP
+from .engine.cache import KEEP
+from .engine.drafters import MODEL, resolve_drafter
+from .engine.forward import vocab_width
+from .engine.lookup import NO_DRAFT, PROMPT_LOOKUP
+from .engine.sampling import ParameterError, SamplingParams, check_int
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
-from .sampling import ParameterError, SamplingParams, check_int
 from .text import chat_text, check_stop, prompt_ids
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .sampling import ParameterError
-from .speculative import Token
-from .stats import GenerationStats
+from .engine.sampling import ParameterError
+from .engine.speculative import Token
+from .engine.stats import GenerationStats
 
 Messages = Sequence[dict[str, Any]]
 

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from .engine.pruning import count_tokens, save_counts
 from .loading import DEMO_DIR, ModelLoadError, resolve_model_path
-from .pruning import count_tokens, save_counts
 
 
 def _files(paths: Sequence[str]) -> Iterator[Path]:

@@ -31,8 +31,8 @@ import mlx.nn as nn
 
 from .api import stream_generate
 from .cache_pool import PromptCachePool
+from .engine.stats import GenerationStats
 from .prompt_cache import PromptCache
-from .stats import GenerationStats
 from .text import GenerationResponse
 
 log = logging.getLogger("tinydraft_mlx.worker")

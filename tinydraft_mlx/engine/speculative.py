@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
-from .backend import generation_stream
+from ..backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter

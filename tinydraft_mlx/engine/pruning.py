@@ -29,7 +29,7 @@ from .drafters import resolve_drafter
 from .sampling import ParameterError
 
 FORMAT = "tinydraft-mlx token counts 1"
-DEMO_COUNTS = Path(__file__).resolve().parent / "demo" / "token_counts.json"
+DEMO_COUNTS = Path(__file__).resolve().parents[1] / "demo" / "token_counts.json"
 
 
 class VocabError(ValueError):
