@@ -164,16 +164,16 @@ def load_models(
     the checkpoint's own dtype on a GPU (as mlx-lm: bfloat16 for Qwen2.5).
 
     draft_vocab: keep only the N most frequent tokens in the draft's LM head (a `PrunedDraft`:
-    cheaper draft steps, the output still exactly the target's; see `tinydraft_mlx.pruning`),
+    cheaper draft steps, the output still exactly the target's; see `tinydraft_mlx.engine.pruning`),
     by the counts in `draft_vocab_counts` (`python -m tinydraft_mlx.vocab`; default: the counts
     shipped for the demo pair's tokenizer).
 
     distributed: join the group `mlx.launch` started and load the target tensor-parallel over
     it (each rank materialises only its shard); the draft loads whole on every rank. Generation
-    then keeps the ranks in step by itself (see `tinydraft_mlx.distributed`).
+    then keeps the ranks in step by itself (see `tinydraft_mlx.engine.distributed`).
 
     On the CPU backend both models' large projections take the skinny-matmul path (see
-    `tinydraft_mlx.skinny`; `skinny.disable(model)` turns it off).
+    `tinydraft_mlx.engine.skinny`; `skinny.disable(model)` turns it off).
     """
     resolve_dtype(dtype)  # fail on a bad dtype before loading anything
     if draft_vocab_counts is not None and draft_vocab is None:
