@@ -81,3 +81,25 @@ def test_cli_runs_on_the_demo_pair_by_default(capsys):
     assert main(["--prompt", "def parse_args(", "--max-tokens", "24"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "speculative k=4: 24 tokens" in err
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_mlx_lms_own_loader_reads_the_demo_pair_as_ours_does(demo, name):
+    """The shipped configs carry the top-level `rope_theta` that mlx-lm's qwen2 reads (it
+    ignores transformers 5's `rope_parameters` and falls back to 1e6): `mlx_lm.load`, as
+    `mlx_lm.generate` and `mlx_lm.server` use it, gives the logits our loader gives."""
+    import json
+
+    from mlx_lm import load
+
+    from tinydraft_mlx.loading import DEMO_DIR
+
+    config = json.loads((DEMO_DIR / name / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+    theirs, _ = load(str(DEMO_DIR / name))
+    theirs.set_dtype(mx.float32)
+    ours = demo[0] if name == "target" else demo[1]
+    assert theirs.args.rope_theta == ours.args.rope_theta == 10000.0
+    x = mx.array([list(range(5, 200, 3))])
+    diff = mx.abs(theirs(x) - ours(x)).max().item()
+    assert diff < 1e-4, diff
