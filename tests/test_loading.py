@@ -110,6 +110,18 @@ def test_uncached_hub_id_offline_is_one_sentence(monkeypatch):
     message = str(err.value)
     assert "\n" not in message and "not in the local Hugging Face cache" in message
     assert err.value.__cause__ is None  # no chained traceback from deep inside
+    # the reason is whole: it was cut mid-sentence ("... To enable repo look-ups a)")
+    assert "(HF_HUB_OFFLINE is set, so it was not looked up: unset it to download it); a local " \
+        "checkpoint directory works offline" in message
+
+
+def test_first_sentence_is_never_cut_mid_word():
+    from tinydraft_mlx.loading import _first_sentence
+
+    assert _first_sentence("Repo not found.  Check the id.\nMore") == "Repo not found."
+    long = "word " * 100
+    cut = _first_sentence(long, limit=50)
+    assert cut.endswith("word ...") and len(cut) <= 54
 
 
 @pytest.mark.parametrize(

@@ -47,16 +47,29 @@ def resolve_model_path(name: str | Path) -> Path:
         return path
     if not _looks_like_hub_id(str(name)):
         raise ModelLoadError(f"model directory {str(name)!r} does not exist")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     try:
         return Path(snapshot_download(str(name), allow_patterns=_ALLOW))
     except Exception as err:  # offline, unknown repo, gated, invalid id: all end the same way
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if constants.HF_HUB_OFFLINE:
+            why = "HF_HUB_OFFLINE is set, so it was not looked up: unset it to download it"
+        else:
+            why = f"{type(err).__name__}: {_first_sentence(str(err)) or 'no reason given'}"
         raise ModelLoadError(
             f"could not load {str(name)!r}: it is not in the local Hugging Face cache and the hub "
-            f"could not provide it ({type(err).__name__}: {reason[:160]})"
+            f"could not provide it ({why}); a local checkpoint directory works offline"
         ) from None
+
+
+def _first_sentence(text: str, limit: int = 200) -> str:
+    """The first sentence of `text` (one line), cut at a word, never mid-word, past `limit`."""
+    line = " ".join(text.split())
+    end = line.find(". ")
+    sentence = line if end < 0 else line[: end + 1]
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
