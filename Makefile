@@ -3,17 +3,27 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= def parse_args(
+# the prompt reaches the command through the environment, as typed: no make or shell expansion
+# of its quotes, $ signs or backslashes on the way (make demo PROMPT='say "hi" $HOME')
+export DEMO_PROMPT := $(value PROMPT)
 
 .PHONY: demo test lint clean
+
+# the demo needs only the package (and MKL on Linux x86-64); the tests need the test extra too
+$(VENV)/.demo: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[mkl]"
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test]"
-	touch $@
+	touch $@ $(VENV)/.demo
 
-demo: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(PY) -m tinydraft_mlx.generate --prompt "$(PROMPT)" --max-tokens 64 --verbose
+demo: $(VENV)/.demo
+	HF_HUB_OFFLINE=1 $(PY) -m tinydraft_mlx.generate --prompt "$$DEMO_PROMPT" --max-tokens 64 --verbose
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check tinydraft_mlx tests bench

@@ -174,3 +174,26 @@ def test_the_distributed_hint_is_a_command_that_runs():
     with pytest.raises(ValueError) as err:
         join()
     assert "-n 2 python -m tinydraft_mlx.generate --distributed" in str(err.value)
+
+
+def test_make_demo_passes_the_prompt_as_typed(tmp_path):
+    """`make demo PROMPT='...'` hands the prompt to the CLI unchanged: quotes, `$`, backslashes
+    and backticks were mangled by make's and the shell's expansion. The CLI is replaced by a
+    script that prints its arguments, and the install step is taken as done (`-o`)."""
+    import shutil
+
+    from tinydraft_mlx.loading import DEMO_DIR
+
+    make = shutil.which("make")
+    assert make is not None, "make runs the project's two commands"
+    echo = tmp_path / "echo_args"
+    echo.write_text('#!/bin/sh\nfor a in "$@"; do printf "[%s]\\n" "$a"; done\n')
+    echo.chmod(0o755)
+    root = DEMO_DIR.parents[1]
+    prompt = 'say "hi" $HOME \\n `x` it\'s'
+    result = subprocess.run([make, "-s", "-o", ".venv/.demo", "demo", f"PY={echo}",
+                             f"PROMPT={prompt}"], cwd=root, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    args = result.stdout.splitlines()
+    assert args[:4] == ["[-m]", "[tinydraft_mlx.generate]", "[--prompt]", f"[{prompt}]"]
