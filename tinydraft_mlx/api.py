@@ -16,10 +16,11 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .engine.cache import KEEP, Cache, cache_length, make_cache
 from .engine.drafters import max_draft_length, resolve_drafter
+from .engine.forward import vocab_width
 from .engine.lookup import PromptLookup
 from .engine.policy import AUTO, AUTO_MAX_K
-from .engine.sampling import ParameterError, SamplingParams, check_float, check_int
-from .engine.speculative import Processor, Progress, Token, decode, vocab_width
+from .engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
+from .engine.speculative import Progress, Token, decode
 from .engine.stats import GenerationStats
 from .prompt_cache import PromptCache
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses

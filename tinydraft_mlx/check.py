@@ -380,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = [default_draft(args.target) if n == "default" else n for n in names]
     target, first, tok = load_models(args.target, paths[0], dtype=args.dtype)
     drafts = [first] + [load_draft(d, tok, dtype=args.dtype) for d in paths[1:]]
-    texts = read_prompts(args.prompts)[: args.n_prompts]
+    texts = args.texts[: args.n_prompts]
     prompts = [tok.encode(t) for t in texts]
     generate(target, first, tok, prompts[0], k=2, max_tokens=8)  # warm-up
     refs = [plain_reference(target, tok, ids, args.max_tokens) for ids in prompts]
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                            "pip install 'tinydraft-mlx[bench]'\n")
     try:
         check_int("--top-k", args.top_k, 0)
-        read_prompts(args.prompts)
+        args.texts = read_prompts(args.prompts)  # read once, before any model loads
     except (ParameterError, ValueError, OSError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     try:
