@@ -5,6 +5,8 @@ from .backend import active_blas, preload_blas
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
 from .api import generate, stream_generate
+from .batching import batch_generate
+from .engine.batch import BatchDecoder, Finished
 from .engine.lookup import PromptLookup
 from .engine.policy import DraftLengthPolicy
 from .engine.sampling import ParameterError, SamplingParams, warp
@@ -16,6 +18,9 @@ from .text import GenerationResponse
 
 __all__ = [
     "active_blas",
+    "BatchDecoder",
+    "batch_generate",
+    "Finished",
     "DraftLengthPolicy",
     "GenerationResponse",
     "PromptCache",

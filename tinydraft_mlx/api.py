@@ -9,13 +9,14 @@ parameter, the allowed range and the value received.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from .engine.cache import KEEP, Cache, cache_length, make_cache
-from .engine.drafters import max_draft_length, resolve_drafter
+from .engine.drafters import Drafter, max_draft_length, resolve_drafter
 from .engine.forward import vocab_width
 from .engine.lookup import PromptLookup
 from .engine.policy import AUTO, AUTO_MAX_K
@@ -170,6 +171,64 @@ def stream_generate(
     tokens per second under measured acceptance and costs (policy.py).
     prompt_progress_callback(processed, total): during the prefill of the uncached prompt tokens.
     """
+    plan = _plan(target, draft, tokenizer, prompt, k=k, max_tokens=max_tokens,
+                 temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                 max_kv_size=max_kv_size, logits_processors=logits_processors,
+                 repetition_penalty=repetition_penalty,
+                 repetition_context_size=repetition_context_size,
+                 presence_penalty=presence_penalty, presence_context_size=presence_context_size,
+                 frequency_penalty=frequency_penalty,
+                 frequency_context_size=frequency_context_size, logit_bias=logit_bias,
+                 stop=stop, prompt_cache=prompt_cache,
+                 prompt_progress_callback=prompt_progress_callback)
+    prompt_cache = plan.prompt_cache
+    if prompt_cache is not None:
+        caches = None
+    else:
+        margin = plan.k_eff + 1  # a verify writes k+1 positions and may roll back k of them
+        model = plan.drafter.model
+        caches = (make_cache(target, plan.max_kv_size, margin),
+                  make_cache(model, plan.max_kv_size, margin) if model is not None else None)
+
+    def steps(target_cache: Cache, draft_cache: Cache | None) -> Iterator[Token]:
+        return decode(
+            target, plan.drafter, plan.ids, k=k, max_tokens=max_tokens, sampling=plan.sampling,
+            eos_token_ids=plan.eos, target_cache=target_cache, draft_cache=draft_cache,
+            logits_processors=plan.processors, prompt_progress_callback=prompt_progress_callback,
+        )
+
+    return _stream(steps, caches, tokenizer, plan.stops, plan.eos, prompt_cache, plan.ids)
+
+
+@dataclass
+class Plan:
+    """One generation's checked arguments: what the loop (one sequence or a batch) runs."""
+
+    ids: list[int]
+    drafter: Drafter
+    k: int | str
+    k_eff: int  # the most tokens a round may draft
+    max_tokens: int
+    sampling: SamplingParams
+    processors: list[Processor]
+    stops: list[str]
+    eos: frozenset[int]
+    max_kv_size: int | None
+    prompt_cache: PromptCache | None
+
+
+def _plan(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, *, k: int | str,
+          max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+          seed: int | None, max_kv_size: int | None,
+          logits_processors: Sequence[Processor] | None, repetition_penalty: float | None,
+          repetition_context_size: int, presence_penalty: float | None,
+          presence_context_size: int, frequency_penalty: float | None,
+          frequency_context_size: int, logit_bias: dict[int, float] | None,
+          stop: str | Sequence[str] | None, prompt_cache: PromptCache | None,
+          prompt_progress_callback: Progress | None = None) -> Plan:
+    """Check every argument of one generation (the one place they are checked: `stream_generate`,
+    `generate` and `batch_generate` all plan through it); ParameterError / PromptCacheError
+    naming the parameter, the allowed range and the value received."""
     sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
     drafter = resolve_drafter(draft)
     if drafter.drafts:
@@ -188,7 +247,6 @@ def stream_generate(
                              prompt_progress_callback)
     ids = prompt_ids(tokenizer, prompt, width)
     k_eff = max_draft_length(drafter, k)
-    model = drafter.model
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise ParameterError("prompt_cache", "a PromptCache", type(prompt_cache).__name__)
@@ -199,23 +257,10 @@ def stream_generate(
     if max_kv_size is not None:
         check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
     if prompt_cache is not None:
-        prompt_cache.check_models(target, model)
+        prompt_cache.check_models(target, drafter.model)
         prompt_cache.check_free()
-        caches = None
-    else:
-        margin = k_eff + 1  # a verify writes k+1 positions and may roll back k of them
-        caches = (make_cache(target, max_kv_size, margin),
-                  make_cache(model, max_kv_size, margin) if model is not None else None)
-    eos = eos_ids(tokenizer)
-
-    def steps(target_cache: Cache, draft_cache: Cache | None) -> Iterator[Token]:
-        return decode(
-            target, drafter, ids, k=k, max_tokens=max_tokens, sampling=sampling,
-            eos_token_ids=eos, target_cache=target_cache, draft_cache=draft_cache,
-            logits_processors=processors, prompt_progress_callback=prompt_progress_callback,
-        )
-
-    return _stream(steps, caches, tokenizer, stops, eos, prompt_cache, ids)
+    return Plan(ids, drafter, k, k_eff, max_tokens, sampling, processors, stops,
+                eos_ids(tokenizer), max_kv_size, prompt_cache)
 
 
 def _stream(steps, caches, tokenizer, stops, eos, prompt_cache,

@@ -140,7 +140,7 @@ class LookupDraft:
         if not proposal:
             return _empty()
         drafts = mx.array(proposal, dtype=mx.int32)
-        return drafts, None if sampling.greedy else _point_mass(drafts, width)
+        return drafts, None if sampling.greedy else point_mass(drafts, width)
 
     def catch_up(self) -> float:
         return 0.0
@@ -181,12 +181,12 @@ def max_draft_length(drafter: Drafter, k: int | str) -> int:
     return 0 if not drafter.drafts else AUTO_MAX_K if k == AUTO else k
 
 
-def _point_mass(tokens: mx.array, width: int) -> mx.array:
+def point_mass(tokens: mx.array, width: int) -> mx.array:
     """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
     return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
 
 
-def _draft_logits(
+def draft_logits(
     logits: mx.array, history: mx.array, drafts: list[mx.array],
     processors: Sequence[Processor], width: int | None,
 ) -> mx.array:
@@ -222,7 +222,7 @@ def _draft_chain(
     tokens, qs = [], []
     for i in range(k):
         logits = forward(draft, x[None], cache)[0, -1]  # (Vq,)
-        logits = _draft_logits(logits, history, tokens, processors, width)
+        logits = draft_logits(logits, history, tokens, processors, width)
         if params.greedy:
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:

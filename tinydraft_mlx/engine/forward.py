@@ -69,16 +69,22 @@ class _Slot:
         self.keys, self.values, self.offset = keys, values, offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        if self.offset.ndim == 0:  # one sequence
+            start = self.offset.reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+            self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        else:  # a batch: each row at its own offset
+            slots = (self.offset[:, None] + mx.arange(keys.shape[2]))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, slots, values, axis=2)
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         """(n, buffer) True where query i (position offset + i) may see the key: written and
-        not after it."""
-        queries = self.offset + mx.arange(n)
-        return mx.arange(self.keys.shape[2])[None] <= queries[:, None]
+        not after it; (B, 1, n, buffer) for a batch, each row at its own offset."""
+        queries = self.offset[..., None] + mx.arange(n)
+        mask = mx.arange(self.keys.shape[2]) <= queries[..., None]
+        return mask[:, None] if self.offset.ndim else mask
 
 
 class _Compiled:
@@ -170,6 +176,28 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
     for layer, k, v in zip(cache, keys, values):
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
+    return logits
+
+
+def forward_batch(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
+    """`forward` for a `BatchCache` (batch_cache.py): (B, L) ids -> (B, L, V) logits, each row
+    at its own offset; every row advances by L (the caller rolls rows back to their real
+    lengths). Compiled where `forward` would be (unbounded rows), else the eager forward."""
+    n = tokens.shape[1]
+    state = _compiled(model) if enabled() else None
+    if state is None or cache.bounded or cache.layers[0].keys is None:
+        cache.reserve(n)
+        logits = model(tokens, cache=cache.layers)
+    else:
+        size = buffer_size(max(cache.lengths) + n)
+        cache.reserve(n, size)
+        state.shapes.add((tokens.shape[0], n, size))
+        logits, keys, values = state.step(tokens, cache.offsets(),
+                                          [layer.keys for layer in cache.layers],
+                                          [layer.values for layer in cache.layers])
+        for layer, k, v in zip(cache.layers, keys, values):
+            layer.keys, layer.values = k, v
+    cache.advance(n)
     return logits
 
 

@@ -228,3 +228,63 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
     pair.policies.move_to_end(regime)
     policy.plain_seconds = 0.0
     return policy
+
+
+# -- batches ----------------------------------------------------------------------------------
+# A batched round verifies B x (k + 1) positions: its cost grows with B, so the k that pays falls
+# as the batch grows (for a large B it may be 0). Costs are kept per (target, draft, batch-size
+# bucket); acceptance stays each sequence's own (its regime's policy).
+
+_BATCH_COSTS: dict[tuple[int, int, int], tuple[weakref.ref, DraftLengthPolicy]] = {}
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch size whose costs a batch of `rows` uses: the next power of two."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return bucket
+
+
+def batch_costs(target: object, draft: object, rows: int, draft_ratio: float) -> DraftLengthPolicy:
+    """The round costs of batched rounds of about `rows` sequences on a (target, draft) pair, as
+    a `DraftLengthPolicy` whose own acceptance is unused (`choose_for_batch` takes the rows')."""
+    for key in [k for k, (ref, _) in _BATCH_COSTS.items() if ref() is None]:
+        del _BATCH_COSTS[key]
+    key = (id(target), id(draft), batch_bucket(rows))
+    held = _BATCH_COSTS.get(key)
+    if held is None or held[0]() is not target:
+        held = _BATCH_COSTS[key] = (weakref.ref(target),
+                                    DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio))
+    return held[1]
+
+
+def choose_for_batch(costs: DraftLengthPolicy, rows: list[DraftLengthPolicy],
+                     limit: int) -> int:
+    """One k for the batch's k="auto" sequences: argmax_k of the tokens the batch expects,
+    sum over rows of E_row(k), per second of a batched round drafting k, R_B(k); 0 (plain
+    rounds) when that does not beat B / R_B(0), with the same probing of speculation as one
+    sequence's policy (`DraftLengthPolicy.choose`)."""
+    limit = max(0, min(limit, costs.k_max))
+    known = costs.round_seconds
+    if 0 not in known or limit == 0 or not rows:
+        return 0
+    reach = 2 * max(known) + 1
+    alphas = [row.acceptance_means() for row in rows]
+
+    def expected(k: int) -> float:
+        return sum(costs.expected_tokens(a, k) for a in alphas)
+
+    rates = {k: expected(k) / costs.round_cost(k) for k in range(1, min(limit, reach) + 1)}
+    if not rates:
+        return 0
+    best = max(rates, key=lambda k: (rates[k], -k))
+    plain = len(rows) / known[0]
+    if rates[best] > plain:
+        costs.plain_seconds = 0.0
+        return best
+    loss = costs.round_cost(best) + known[0] - expected(best) * known[0] / len(rows)
+    if costs.plain_seconds * costs.probe_budget >= loss:
+        costs.plain_seconds = 0.0
+        return best
+    return 0

@@ -1,0 +1,168 @@
+"""`batch_generate`: many prompts decoded together, speculation on, each exactly as alone.
+
+The text layer over the engine's `BatchDecoder` (engine/batch.py): every prompt is checked as
+`generate` checks it (`api._plan`), runs as one sequence of the batch, and goes through the same
+streaming detokenizer and stop strings (`text.responses`) as a single generation; a sequence that
+hits a stop string leaves the batch at once, its caches cut to the tokens emitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import mlx.nn as nn
+
+from .api import Plan, _plan
+from .engine.batch import BatchDecoder
+from .engine.cache import cache_length
+from .engine.lookup import PromptLookup
+from .engine.sampling import ParameterError
+from .engine.speculative import Token
+from .engine.stats import GenerationStats
+from .prompt_cache import MARGIN
+from .text import Messages, responses
+
+PER_PROMPT = ("max_tokens", "stop", "seed", "prompt_cache")  # may be one per prompt
+
+
+def batch_generate(
+    target: nn.Module,
+    draft: nn.Module | PromptLookup | str | None,
+    tokenizer: Any,
+    prompts: Sequence[str | list[int] | Messages],
+    **kwargs: Any,
+) -> list[tuple[list[int], GenerationStats]]:
+    """Generate for every prompt at once, in batched rounds: one `(token ids, stats)` per prompt,
+    in order. Takes `generate`'s keyword arguments (k, max_tokens, temperature, top_p, top_k,
+    min_p, seed, max_kv_size, logits processors and penalties, stop, prompt_cache); max_tokens,
+    stop, seed and prompt_cache may also be lists, one entry per prompt.
+
+    Exactness: each prompt's output is what `generate` gives it alone. Greedy: the same tokens
+    (up to the float rounding of batched matmuls on a near-tie, see docs/design.md). Sampled:
+    distributed exactly as plain sampling from `target`; with a seed and a fixed k, the same
+    tokens whichever prompts share the batch (k="auto" chooses k with the batch in view, so its
+    seeded samples depend on the batch's size).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ParameterError("prompts", "a non-empty list of prompts", prompts)
+    if kwargs.get("prompt_progress_callback") is not None:
+        raise ParameterError("prompt_progress_callback", "None in batch_generate",
+                             kwargs["prompt_progress_callback"])
+    per_prompt = [_settings(kwargs, i, len(prompts)) for i in range(len(prompts))]
+    plans = [_plan(target, draft, tokenizer, prompt, **_defaults(settings))
+             for prompt, settings in zip(prompts, per_prompt)]
+    caches = [p.prompt_cache for p in plans if p.prompt_cache is not None]
+    if len({id(c) for c in caches}) < len(caches):
+        raise ParameterError("prompt_cache", "a different PromptCache for every prompt",
+                             "one cache given to several prompts")
+    bounds = {p.max_kv_size for p in plans}
+    if len(bounds) > 1:
+        raise ParameterError("max_kv_size", "the same bound for every prompt of a batch",
+                             sorted(bounds, key=str))
+    bound = bounds.pop()
+    max_k = max(p.k_eff for p in plans)
+    if bound is not None and caches:
+        max_k = MARGIN - 1  # the row layout of a bounded prompt cache's caches
+    decoder = BatchDecoder(target, draft if _drafts_with_model(plans) else None,
+                           max_kv_size=bound, max_k=max(1, max_k))
+    with ExitStack() as held:
+        for cache in caches:
+            held.enter_context(cache.taken())
+        return _run(decoder, plans, tokenizer)
+
+
+def _drafts_with_model(plans: list[Plan]) -> bool:
+    return any(p.drafter.model is not None for p in plans)
+
+
+def _settings(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
+    """Prompt i's keyword arguments. max_tokens, seed and prompt_cache: a list gives one entry
+    per prompt. stop: a string or a list of strings is every prompt's; a list of n entries that
+    are lists (or None) gives each prompt its own."""
+    out = dict(kwargs)
+    for name in PER_PROMPT:
+        value = kwargs.get(name)
+        per = isinstance(value, list) and (
+            name != "stop" or any(isinstance(v, (list, tuple)) or v is None for v in value))
+        if per:
+            if len(value) != n:
+                raise ParameterError(name, f"one value or a list of {n} (one per prompt)",
+                                     f"a list of {len(value)}")
+            out[name] = value[i]
+    return out
+
+
+_DEFAULTS = dict(k=4, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+                 max_kv_size=None, logits_processors=None, repetition_penalty=None,
+                 repetition_context_size=20, presence_penalty=None, presence_context_size=20,
+                 frequency_penalty=None, frequency_context_size=20, logit_bias=None, stop=None,
+                 prompt_cache=None)
+
+
+def _defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(settings) - set(_DEFAULTS) - {"prompt_progress_callback"})
+    if unknown:
+        raise TypeError(f"batch_generate() got unexpected keyword arguments {unknown}")
+    return {**_DEFAULTS, **{k: v for k, v in settings.items() if k in _DEFAULTS}}
+
+
+def _run(decoder: BatchDecoder, plans: list[Plan],
+         tokenizer: Any) -> list[tuple[list[int], GenerationStats]]:
+    feeds: dict[int, deque[Token]] = {}
+    texts: dict[int, Iterator] = {}
+    order: list[int] = []
+    for plan in plans:
+        target_cache = draft_cache = None
+        cache = plan.prompt_cache
+        if cache is not None:
+            cache.reuse(plan.ids)
+            target_cache, draft_cache = cache.target_cache, cache.draft_cache
+        kind = "model" if plan.drafter.model is not None else plan.drafter
+        uid = decoder.insert(plan.ids, draft=kind, k=plan.k, max_tokens=plan.max_tokens,
+                             sampling=plan.sampling, eos_token_ids=plan.eos,
+                             logits_processors=plan.processors, target_cache=target_cache,
+                             draft_cache=draft_cache, keep_caches=cache is not None)
+        feeds[uid] = deque()
+        texts[uid] = responses(_drain(feeds[uid]), tokenizer, plan.stops, plan.eos)
+        order.append(uid)
+    out: dict[int, tuple[list[int], GenerationStats]] = {}
+    emitted: dict[int, list[int]] = {uid: [] for uid in order}
+    try:
+        while len(out) < len(order):
+            for uid, tokens in decoder.step().items():
+                feeds[uid].extend(tokens)
+                for _ in tokens:
+                    response = next(texts[uid])
+                    emitted[uid].append(response.token)
+                    if response.finish_reason is not None:  # its end, or a stop string
+                        done = decoder.remove(uid, keep=len(emitted[uid]))
+                        out[uid] = (emitted[uid], response.stats)
+                        _store(plans[order.index(uid)], done, emitted[uid])
+                        break
+    finally:
+        for uid in order:  # an error: every sequence out, caches consistent
+            if uid not in out:
+                done = decoder.remove(uid, keep=len(emitted[uid]))
+                _store(plans[order.index(uid)], done, emitted[uid])
+    return [out[uid] for uid in order]
+
+
+def _drain(feed: deque[Token]) -> Iterator[Token]:
+    while feed:
+        yield feed.popleft()
+
+
+def _store(plan: Plan, done: Any, emitted: list[int]) -> None:
+    """A prompt cache records what its sequence's caches hold afterwards."""
+    cache = plan.prompt_cache
+    if cache is None or done is None:
+        return
+    if done.target_cache is not None:
+        cache.target_cache = done.target_cache
+        if done.draft_cache is not None:
+            cache.draft_cache = done.draft_cache
+    held = cache_length(cache.target_cache)
+    cache.tokens = (plan.ids + emitted)[: held + 1]

@@ -1,0 +1,523 @@
+"""Batched exact speculative decoding: B sequences per round, each rolled back by its own amount.
+
+A `BatchDecoder` holds the live sequences of one (target, draft) pair. `insert` queues a sequence
+(its prompt, sampling settings, seed, logits processors, max_tokens, draft kind and k);
+`step()` runs one round for every live sequence and returns each one's new tokens; a sequence
+leaves when it finishes (EOS, max_tokens) or when `remove` is called (a stop string found above
+the engine, a client gone). Sequences join and leave between rounds.
+
+A round, for all rows at once (same semantics as `speculative.decode`, per row):
+1. k per row: what the sequence asked for, capped by the tokens it may still emit; k="auto"
+   sequences share one k chosen with the batch in view (`policy.choose_for_batch`: the cost of a
+   batched round of this size against the acceptance each sequence has shown).
+2. Proposals: one batched draft chain for the rows drafting with the model (all model rows step
+   together; each row samples from its own q with its own key, applies its own processors); a
+   model-free drafter (prompt lookup, none) proposes row by row on the host.
+3. One batched verify of every row's [last, d_1..d_k] (right-padded to the longest k), each row
+   at its own offset (`batch_cache.py`), then the acceptance rule per row: greedy, or rejection
+   sampling against the row's own warped p and q, with the row's key.
+4. Commit: each row's caches keep its accepted prefix (`BatchCache.rollback`, no copies), its
+   statistics and tokens are booked, finished rows leave the batch.
+
+A row that drafts nothing this round (k = 0) is a plain step inside the same verify. Randomness
+is per sequence (its seed's key, split per round as `decode` splits it), so what a sequence
+samples depends on its prompt, settings and seed, not on the sequences beside it (up to the
+float rounding of batched matmuls, see docs/design.md); with a fixed k it matches `decode`.
+
+Prefill of a joining sequence runs on one-sequence caches, `prefill_step` tokens per `step()` at
+most (so a long prompt does not stall the live rows), and the row is copied into the batch when
+its prompt is in. Tensor-parallel targets are not batched (`decode` serves them).
+
+Knows nothing about text: token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..backend import generation_stream
+from .batch_cache import BatchCache
+from .cache import KEEP, Cache, cache_length, make_cache, rollback
+from .distributed import ranks_of
+from .drafters import Drafter, draft_logits, max_draft_length, point_mass, resolve_drafter
+from .forward import PREFILL_STEP, forward_batch, model_inputs, prefill, traces, vocab_width
+from .policy import (
+    AUTO,
+    AUTO_MAX_K,
+    DraftLengthPolicy,
+    batch_costs,
+    choose_for_batch,
+    shared_policy,
+)
+from .rejection import speculative_accept
+from .sampling import Processor, SamplingParams, process_logits, warp
+from .speculative import Token
+from .stats import GenerationStats
+
+__all__ = ["BatchDecoder", "Finished"]
+
+
+@dataclass
+class Finished:
+    """What a sequence leaves behind: its generated ids, statistics, and (when asked for at
+    insert) its one-sequence caches holding prompt + generated[:-1]."""
+
+    uid: int
+    tokens: list[int]
+    stats: GenerationStats
+    target_cache: Cache | None = None
+    draft_cache: Cache | None = None
+
+
+@dataclass
+class _Row:
+    """One sequence. `seq` is prompt + emitted; in the batch its target row holds seq[:-1]."""
+
+    uid: int
+    seq: list[int]
+    prompt_len: int
+    drafter: Drafter
+    k: int | str
+    k_cap: int
+    sampling: SamplingParams
+    key: mx.array
+    eos: frozenset[int]
+    max_tokens: int
+    processors: Sequence[Processor]
+    stats: GenerationStats
+    logprobs: bool
+    keep_caches: bool
+    target_cache: Cache | None = None  # one-sequence caches while the prompt is prefilled
+    draft_cache: Cache | None = None
+    policy: DraftLengthPolicy | None = None
+    target_prefill: float = 0.0  # seconds of the prompt's prefill spent on the target
+    round_k: int = 0  # this round's k, its keys, proposal (device or host ids) and q
+    keys: list = field(default_factory=list)
+    drafts: list | mx.array = field(default_factory=list)
+    q: mx.array | None = None
+
+    @property
+    def model(self) -> bool:
+        """Whether the row drafts with the decoder's draft model (the batched chain)."""
+        return self.drafter.model is not None
+
+    @property
+    def generated(self) -> int:
+        return len(self.seq) - self.prompt_len
+
+    def split(self, n: int) -> list[mx.array | None]:
+        if self.sampling.greedy:
+            return [None] * n
+        self.key, *keys = mx.random.split(self.key, n + 1)
+        return keys
+
+
+class BatchDecoder:
+    """Rounds of speculative decoding over a changing batch of sequences (see the module
+    docstring). `draft`: the draft model sequences with draft "model" use (None: none may).
+    `max_kv_size`: every sequence's caches bounded as `make_cache` bounds one (then k may be at
+    most `max_k`, the rollback margin). `prefill_step`: prompt tokens prefilled per `step()`."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module | None = None, *,
+                 max_kv_size: int | None = None, max_k: int = AUTO_MAX_K,
+                 prefill_step: int = PREFILL_STEP) -> None:
+        if ranks_of(target) is not None:
+            raise ValueError("a tensor-parallel target decodes one sequence at a time "
+                             "(generate / stream_generate); it is not batched")
+        self.target, self.draft = target, draft
+        self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
+        margin = max_k + 1
+        self.margin = margin
+        self.target_cache = BatchCache(len(target.layers), max_kv_size, KEEP, margin)
+        self.draft_cache = (BatchCache(len(draft.layers), max_kv_size, KEEP, margin)
+                            if draft is not None else None)
+        self.rows: list[_Row] = []  # in the batch, in cache row order
+        self.pending: list[_Row] = []  # prefilling, first come first served
+        self.finished: dict[int, Finished] = {}
+        self.stream = generation_stream()
+        self.width = vocab_width(target)
+        self.draft_ratio = 0.25
+        self._uid = 0
+
+    def __len__(self) -> int:
+        """Sequences in the decoder (live and prefilling)."""
+        return len(self.rows) + len(self.pending)
+
+    # -- joining and leaving -----------------------------------------------------------------
+    def insert(
+        self,
+        prompt: list[int],
+        *,
+        draft: object = None,
+        k: int | str = 4,
+        max_tokens: int = 256,
+        sampling: SamplingParams = SamplingParams(),
+        eos_token_ids: Iterable[int] = (),
+        logits_processors: Sequence[Processor] = (),
+        target_cache: Cache | None = None,
+        draft_cache: Cache | None = None,
+        logprobs: bool = False,
+        keep_caches: bool = False,
+    ) -> int:
+        """Queue a sequence; returns its uid. Arguments are assumed valid (the API checks them):
+        `draft` is "model" (the decoder's draft model), a `PromptLookup`, "prompt-lookup" or
+        None; caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
+        `keep_caches`: keep the sequence's caches for `remove` / `finished`."""
+        drafter = resolve_drafter(self.draft if draft == "model" else draft)
+        seed = sampling.seed
+        if seed is None:
+            seed = random.SystemRandom().getrandbits(63)
+        k_cap = max_draft_length(drafter, k)
+        if k_cap > self.max_k and self.max_kv_size is not None:
+            raise ValueError(f"k must be at most max_k = {self.max_k} in a bounded batch "
+                             f"(got {k_cap})")
+        if target_cache is None:
+            target_cache = make_cache(self.target, self.max_kv_size, self.margin)
+        if drafter.model is not None and draft_cache is None:
+            draft_cache = make_cache(drafter.model, self.max_kv_size, self.margin)
+        self._uid += 1
+        stats = GenerationStats(k=k if drafter.drafts else 0, prompt_tokens=len(prompt),
+                                cached_tokens=cache_length(target_cache))
+        row = _Row(self._uid, list(prompt), len(prompt), drafter, k, k_cap, sampling,
+                   mx.random.key(seed), frozenset(eos_token_ids), max_tokens,
+                   list(logits_processors), stats, logprobs, keep_caches, target_cache,
+                   draft_cache if drafter.model is not None else None)
+        self.pending.append(row)
+        return row.uid
+
+    def remove(self, uid: int, keep: int | None = None) -> Finished | None:
+        """Take a sequence out (live, prefilling or finished) and return what it leaves; `keep`:
+        how many generated tokens it keeps (a stop string cut the rest), its caches rolled back
+        to match. None for an unknown uid."""
+        if uid in self.finished:
+            done = self.finished.pop(uid)
+            if keep is not None and keep < len(done.tokens):
+                done.tokens = done.tokens[:keep]
+                held = done.stats.prompt_tokens + keep - 1
+                for cache in (done.target_cache, done.draft_cache):
+                    if cache is not None:
+                        rollback(cache, held)
+            return done
+        for i, row in enumerate(self.pending):
+            if row.uid == uid:
+                del self.pending[i]
+                row.stats.finish_reason = row.stats.finish_reason or "closed"
+                return Finished(uid, [], row.stats, *self._solo_caches(row))
+        for row in self.rows:
+            if row.uid == uid:
+                if keep is not None and keep < row.generated:
+                    del row.seq[row.prompt_len + keep:]
+                row.stats.finish_reason = row.stats.finish_reason or "closed"
+                return self._leave([row]).pop(uid, None)
+        return None
+
+    def _solo_caches(self, row: _Row) -> tuple[Cache | None, Cache | None]:
+        if not row.keep_caches:
+            return None, None
+        held = len(row.seq) - 1
+        for cache in (row.target_cache, row.draft_cache):
+            if cache is not None:
+                rollback(cache, held)
+        return row.target_cache, row.draft_cache
+
+    def _leave(self, rows: list[_Row]) -> dict[int, Finished]:
+        """Rows out of the batch: caches rolled back to seq[:-1], extracted where kept."""
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        model_index = {id(r): j for j, r in enumerate(r for r in self.rows if r.model)}
+        t_keep = [len(r.seq) - 1 for r in self.rows]
+        self.target_cache.rollback([min(a, b) for a, b in zip(t_keep, self.target_cache.lengths)])
+        if self.draft_cache is not None and len(self.draft_cache):
+            d_keep = [len(r.seq) - 1 for r in self.rows if r.model]
+            self.draft_cache.rollback([min(a, b) for a, b in zip(d_keep,
+                                                                 self.draft_cache.lengths)])
+        out = {}
+        for row in rows:
+            t, d = None, None
+            if row.keep_caches:
+                t = self.target_cache.extract(index[id(row)])
+                if row.model:
+                    d = self.draft_cache.extract(model_index[id(row)])
+            out[row.uid] = Finished(row.uid, row.seq[row.prompt_len:], row.stats, t, d)
+        self.target_cache.remove([index[id(r)] for r in rows])
+        if self.draft_cache is not None:
+            self.draft_cache.remove([model_index[id(r)] for r in rows if r.model])
+        gone = {id(r) for r in rows}
+        self.rows = [r for r in self.rows if id(r) not in gone]
+        return out
+
+    # -- prefill -----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Prefill queued sequences, `prefill_step` tokens in all; those whose prompt is in join
+        the batch."""
+        budget = self.prefill_step
+        while self.pending and budget > 0:
+            row = self.pending[0]
+            caches = [(self.target, row.target_cache)]
+            if row.model:
+                caches.append((self.draft, row.draft_cache))
+            for model, cache in caches:
+                todo = row.seq[cache_length(cache) : -1][:budget]
+                if not todo or budget <= 0:
+                    continue
+                start = time.perf_counter()
+                with mx.stream(self.stream):
+                    prefill(model, cache, todo)
+                spent = time.perf_counter() - start
+                row.stats.prefill_seconds += spent
+                if model is self.target:
+                    row.target_prefill += spent
+                budget -= len(todo)
+            if any(cache_length(cache) < len(row.seq) - 1 for _, cache in caches):
+                break
+            self.pending.pop(0)
+            self._join(row)
+
+    def _join(self, row: _Row) -> None:
+        if not row.model:  # prompt lookup indexes the sequence (a model row drafts batched)
+            row.drafter.begin(row.seq, None)
+        if row.k == AUTO and row.drafter.drafts:
+            target_time = row.target_prefill
+            if row.model and target_time > 1e-3:
+                ratio = max(0.0, row.stats.prefill_seconds - target_time) / target_time
+                self.draft_ratio = min(1.0, ratio)
+            s = row.sampling
+            row.policy = shared_policy(self.target, row.drafter.policy_key, self.draft_ratio,
+                                       (s.temperature, s.top_p, s.top_k, s.min_p))
+            row.stats.policy = row.policy
+        self.target_cache.add(row.target_cache)
+        if row.model:
+            self.draft_cache.add(row.draft_cache)
+        row.target_cache = row.draft_cache = None
+        self.rows.append(row)
+
+    # -- a round -----------------------------------------------------------------------------
+    def step(self) -> dict[int, list[Token]]:
+        """Prefill what is queued (up to `prefill_step` tokens), then one round for every live
+        sequence: uid -> its new tokens (the last one carries finish_reason when it ends). Rows
+        that finished have left the batch (their `Finished` is in `finished` when caches were
+        kept)."""
+        self._admit()
+        if not self.rows:
+            return {}
+        start, traced = time.perf_counter(), self._traces()
+        self._choose()
+        with mx.stream(self.stream):
+            self._propose()
+            results = self._verify()
+        elapsed = time.perf_counter() - start
+        return self._commit(results, elapsed, self._traces() == traced)
+
+    def _traces(self) -> int:
+        return traces(self.target) + (traces(self.draft) if self.draft is not None else 0)
+
+    def _choose(self) -> None:
+        """Each row's k for this round (and its keys split, as `decode` splits them)."""
+        auto = [r for r in self.rows if r.policy is not None]
+        k_auto = 0
+        if auto:
+            costs = self._costs()
+            limit = max(r.max_tokens - r.generated - 1 for r in auto)
+            k_auto = choose_for_batch(costs, [r.policy for r in auto], limit)
+        for row in self.rows:
+            limit = row.max_tokens - row.generated - 1
+            k = k_auto if row.policy is not None else row.k_cap
+            row.round_k = max(0, min(k, limit, row.k_cap))
+
+    def _costs(self) -> DraftLengthPolicy:
+        key = self.draft if self.draft is not None else "batch"
+        return batch_costs(self.target, key, len(self.rows), self.draft_ratio)
+
+    def _propose(self) -> None:
+        """Every row's proposal for this round: `drafts` (up to round_k ids) and `q`."""
+        for row in self.rows:
+            row.drafts, row.q = [], None
+            if row.round_k > 0:
+                row.keys = row.split(2)  # (draft key, verify key)
+        model_rows = [r for r in self.rows if r.model]
+        if model_rows and max(r.round_k for r in model_rows) > 0:
+            self._draft_chain(model_rows)
+        for row in self.rows:
+            if row.round_k > 0 and not row.model:
+                history = mx.array(row.seq, dtype=mx.int32) if row.processors else None
+                drafts, q = row.drafter.propose(row.round_k, row.sampling, row.keys[0], history,
+                                                row.processors, self.width)
+                row.drafts, row.q = drafts.tolist(), q
+                row.round_k = len(row.drafts)  # the source may offer fewer than asked
+            if row.round_k == 0:  # nothing drafted (or nothing to offer): a plain step
+                row.keys = row.split(1)  # (step key,)
+
+    def _catch_up(self, rows: list[_Row]) -> None:
+        """Feed the draft what its rows missed in plain rounds, so that at most 2 unseen tokens
+        are left to each row's first draft step."""
+        cache = self.draft_cache
+        chunk = self.margin + 1 if cache.bounded else self.prefill_step
+        while True:
+            todo = [r.seq[length : len(r.seq) - 2] for r, length in zip(rows, cache.lengths)]
+            widest = max(len(t) for t in todo)
+            if widest == 0:
+                return
+            n = min(widest, chunk)
+            lengths = list(cache.lengths)
+            x = [model_inputs(self.draft, t[:n]) + [0] * (n - len(t[:n])) for t in todo]
+            forward_batch(self.draft, mx.array(x, dtype=mx.int32), cache)
+            cache.rollback([length + min(n, len(t)) for length, t in zip(lengths, todo)])
+
+    def _draft_chain(self, rows: list[_Row]) -> None:
+        """One batched chain of max(round_k) draft steps over every model row (rows drafting
+        fewer, or none, this round feed what they have and are rolled back at commit)."""
+        cache = self.draft_cache
+        self._catch_up(rows)
+        steps = max(r.round_k for r in rows)
+        unseen = [r.seq[length:] for r, length in zip(rows, cache.lengths)]
+        lengths = list(cache.lengths)
+        n = max(len(u) for u in unseen)
+        x = [model_inputs(self.draft, u) + [0] * (n - len(u)) for u in unseen]
+        logits = forward_batch(self.draft, mx.array(x, dtype=mx.int32), cache)
+        cache.rollback([length + len(u) for length, u in zip(lengths, unseen)])
+        last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
+        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
+        sampled = [r for r in rows if not r.sampling.greedy and r.round_k > 0]
+        keys = {id(r): mx.random.split(r.keys[0], r.round_k) for r in sampled}
+        histories = {id(r): mx.array(r.seq, dtype=mx.int32) for r in rows if r.processors}
+        plain = not sampled and not histories
+        qs: dict[int, list[mx.array]] = {id(r): [] for r in sampled}
+        chain: list[mx.array] = []
+        for i in range(steps):
+            if i:
+                logits = forward_batch(self.draft, chain[-1][:, None], cache)[:, 0]
+            if plain:
+                token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            else:
+                picks = []
+                for j, row in enumerate(rows):
+                    row_logits = logits[j]
+                    if id(row) in histories:
+                        row_logits = draft_logits(row_logits, histories[id(row)],
+                                                  [t[j] for t in chain], row.processors,
+                                                  self.width)
+                    if id(row) in qs and i < row.round_k:
+                        q = warp(row_logits, row.sampling)
+                        qs[id(row)].append(q)
+                        picks.append(mx.random.categorical(mx.log(q), key=keys[id(row)][i]))
+                    else:
+                        picks.append(mx.argmax(row_logits, axis=-1))
+                token = mx.stack(picks).astype(mx.int32)
+            mx.async_eval(token)
+            chain.append(token)
+        drafts = mx.stack(chain, axis=1)  # (Bd, steps)
+        for j, row in enumerate(rows):
+            if row.round_k > 0:
+                row.drafts = drafts[j, : row.round_k]
+                if id(row) in qs:
+                    row.q = mx.stack(qs[id(row)])
+
+    def _verify(self) -> list[mx.array]:
+        """One batched forward of every row's [last, d_1..d_k]; per row the arrays its commit
+        reads: the argmax at each position (greedy) or [n, token] (sampled)."""
+        rows = self.rows
+        width = 1 + max(r.round_k for r in rows)
+        pieces = []
+        for row in rows:
+            drafts = row.drafts
+            if isinstance(drafts, list):
+                drafts = mx.array(drafts, dtype=mx.int32)
+            pad = width - 1 - row.round_k
+            pieces.append(mx.concatenate([mx.array([row.seq[-1]], dtype=mx.int32),
+                                          drafts[: row.round_k].astype(mx.int32),
+                                          mx.zeros((pad,), dtype=mx.int32)]))
+        x = mx.stack(pieces)
+        if self.width is not None:
+            x = mx.minimum(x, self.width - 1)  # a wider draft's ids: see speculative._verify
+        logits = forward_batch(self.target, x, self.target_cache)  # (B, L, V)
+        simple = [not r.processors and r.sampling.greedy for r in rows]
+        argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
+        results, self._logits = [], []
+        for j, row in enumerate(rows):
+            k = row.round_k
+            row_logits = logits[j : j + 1, : k + 1]  # (1, k+1, V)
+            if row.processors:
+                history = mx.array(row.seq, dtype=mx.int32)
+                drafts = [row.drafts[i] for i in range(k)] if k else []
+                drafts = [d if isinstance(d, mx.array) else mx.array(d) for d in drafts]
+                row_logits = mx.stack([process_logits(row_logits[:, i], history, drafts[:i],
+                                                      row.processors)
+                                       for i in range(k + 1)], axis=1)
+            self._logits.append(row_logits if row.logprobs else None)
+            if simple[j]:
+                results.append(argmax[j, : k + 1])
+            elif row.sampling.greedy:
+                results.append(mx.argmax(row_logits[0], axis=-1).astype(mx.int32))
+            elif k == 0:  # a plain step, sampled as `speculative._plain_step` samples it
+                p = warp(row_logits[:, 0], row.sampling)
+                token = mx.random.categorical(mx.log(p), key=row.keys[0]).astype(mx.int32)
+                results.append(mx.concatenate([mx.zeros((1,), dtype=mx.int32), token]))
+            else:
+                p = warp(row_logits, row.sampling)
+                q = row.q
+                if q is None:  # a deterministic proposal (prompt lookup): point masses
+                    q = point_mass(mx.array(row.drafts, dtype=mx.int32), p.shape[-1])
+                drafts = row.drafts if isinstance(row.drafts, mx.array) else mx.array(
+                    row.drafts, dtype=mx.int32)
+                n, token = speculative_accept(p, q[None], drafts[None], row.keys[1])
+                results.append(mx.concatenate([n, token]))
+        device = [r.drafts for r in rows if isinstance(r.drafts, mx.array)]
+        mx.eval(results + device)
+        return results
+
+    def _commit(self, results: list[mx.array], elapsed: float,
+                timed: bool) -> dict[int, list[Token]]:
+        out: dict[int, list[Token]] = {}
+        finished: list[_Row] = []
+        t_keep, d_keep = [], []
+        peak = mx.get_peak_memory() / 1e9
+        for row, result, logits in zip(self.rows, results, self._logits):
+            k = row.round_k
+            drafts = row.drafts.tolist() if isinstance(row.drafts, mx.array) else row.drafts
+            values = result.tolist()
+            if row.sampling.greedy:
+                n = 0
+                while n < k and drafts[n] == values[n]:
+                    n += 1
+                token = values[n]
+            else:
+                n, token = values
+            tokens = drafts[:n] + [token]
+            row.stats.record_round(k, n)
+            row.stats.decode_seconds += elapsed
+            row.stats.peak_memory = peak
+            if row.policy is not None:
+                row.policy.update(k, n, 0.0)  # acceptance only: the batch books the time
+            emitted = []
+            for i, tok in enumerate(tokens):
+                row.seq.append(tok)
+                row.stats.generated += 1
+                finish = ("eos" if tok in row.eos else
+                          "length" if row.generated >= row.max_tokens else None)
+                row.stats.finish_reason = finish
+                logprobs = None
+                if logits is not None:
+                    logprobs = logits[0, i] - mx.logsumexp(logits[0, i], axis=-1)
+                emitted.append(Token(tok, i < n, row.stats, logprobs, finish))
+                if finish is not None:
+                    finished.append(row)
+                    break
+            out[row.uid] = emitted
+            t_keep.append(len(row.seq) - 1)
+            if row.model:
+                d_keep.append(len(row.seq) - 1)
+        self.target_cache.rollback(t_keep)
+        if self.draft_cache is not None and d_keep:
+            self.draft_cache.rollback(d_keep)
+        if timed and any(r.policy is not None for r in self.rows):
+            self._costs().update(max(r.round_k for r in self.rows), 0, elapsed)
+        if finished:
+            for uid, done in self._leave(finished).items():
+                if done.target_cache is not None:
+                    self.finished[uid] = done
+        return out

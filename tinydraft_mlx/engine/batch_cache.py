@@ -1,0 +1,269 @@
+"""KV caches for a batch of sequences of different lengths, each rolled back by its own amount.
+
+One buffer per layer, (B, kv heads, slots, head dim), rows left-aligned: row b's token at absolute
+position t lives in slot t (unbounded) or in the slot a `RollbackRotatingKVCache` would give it
+(bounded: `keep` sink slots, then a ring), and the row's length is a number on the host. A forward
+feeds every row the same number L of tokens (rows with fewer real tokens are padded on the right);
+each row's keys are written at its own positions, its queries see only its own written slots
+(a (B, 1, L, slots) mask), RoPE runs at each row's own offset. Afterwards `rollback` sets each
+row's length to what it keeps: the padding and the rejected drafts become unwritten slots again,
+O(1), no copies (the next write goes over them).
+
+Why this and not mlx-lm's `BatchKVCache` (left padding, one shared write index): with a shared
+index, rows that accept different numbers of drafts would need their keys shifted, or holes kept
+in the middle of their history, after every round; with a length per row a rollback is a number.
+The price is the same as left padding: attention reads max(length) slots for every row.
+
+Rows join from a one-sequence cache (`add`, a copy of that row into the batch) and leave
+(`remove`, the batch's rows copied without it), both between rounds; `extract` gives a row back as
+a one-sequence cache (a `PromptCache` out). Speaks enough of mlx-lm's cache protocol
+(`update_and_fetch`, `offset`, `make_mask`, `state`) for mlx-lm's attention to run on it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .cache import KEEP, Cache, RollbackRotatingKVCache
+
+STEP = 256  # unbounded buffers grow by this many slots
+
+
+class BatchCache:
+    """Per-layer batch buffers and the length of each row. `max_kv_size` bounds every row as
+    `make_cache(model, max_kv_size, margin)` bounds one sequence (same slot layout, so rows move
+    in and out by copying)."""
+
+    def __init__(self, n_layers: int, max_kv_size: int | None = None, keep: int = KEEP,
+                 margin: int = 1) -> None:
+        self.layers = [BatchLayer(self) for _ in range(n_layers)]
+        self.lengths: list[int] = []
+        self.max_kv_size, self.keep, self.margin = max_kv_size, keep, margin
+        if max_kv_size is not None:
+            self.window = max_kv_size - keep
+            self.ring = self.window + margin
+            self.slots = keep + self.ring
+        self._offsets: mx.array | None = None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_kv_size is not None
+
+    def offsets(self) -> mx.array:
+        """(B,) int32: each row's length, where its next token goes."""
+        if self._offsets is None:
+            self._offsets = mx.array(self.lengths, dtype=mx.int32)
+        return self._offsets
+
+    def _set(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+        self._offsets = None
+
+    # -- a forward ---------------------------------------------------------------------------
+    def capacity(self) -> int:
+        layer = self.layers[0]
+        return 0 if layer.keys is None else layer.keys.shape[2]
+
+    def reserve(self, n: int, size: int | None = None) -> None:
+        """Room for n more tokens in every row (unbounded: the buffers grow to `size`, or to the
+        next multiple of STEP). Bounded rows take at most margin + 1 tokens per forward (the
+        longest write that cannot overwrite a slot one of its queries needs)."""
+        if self.bounded:
+            if n > self.margin + 1:
+                raise ValueError(f"a bounded batch takes at most margin + 1 = {self.margin + 1} "
+                                 f"tokens per forward (got {n})")
+            return
+        need = max(self.lengths, default=0) + n
+        if size is None:
+            if need <= self.capacity():
+                return
+            size = -(-need // STEP) * STEP
+        for layer in self.layers:
+            layer.resize(size)
+
+    def advance(self, n: int) -> None:
+        """After a forward of n tokens per row."""
+        self._set([length + n for length in self.lengths])
+
+    def positions(self, n: int) -> mx.array:
+        """(B, n) absolute positions of the next n tokens of each row."""
+        return self.offsets()[:, None] + mx.arange(n, dtype=mx.int32)[None]
+
+    def slot_of(self, positions: mx.array) -> mx.array:
+        if not self.bounded:
+            return positions
+        ring = self.keep + mx.remainder(positions - self.keep, self.ring)
+        return mx.where(positions < self.keep, positions, ring)
+
+    def read_length(self, n: int) -> int:
+        """How many slots attention reads during a forward of n tokens."""
+        return self.slots if self.bounded else max(self.lengths, default=0) + n
+
+    def make_mask(self, n: int) -> mx.array:
+        """(B, 1, n, slots read) True where row b's query i (at position length_b + i) may see
+        the slot: written, not after it, and (bounded) a sink or within the window."""
+        queries = self.positions(n)[:, :, None]  # (B, n, 1)
+        slots = mx.arange(self.read_length(n), dtype=mx.int32)
+        if not self.bounded:
+            return (slots[None, None] <= queries)[:, None]
+        end = self.offsets()[:, None] + n  # (B, 1): positions [0, end) written
+        last = end - 1 - self.keep
+        ring_pos = self.keep + last - mx.remainder(last - (slots[None] - self.keep), self.ring)
+        held = mx.where(slots[None] < self.keep, mx.where(slots[None] < end, slots[None], -1),
+                        mx.where(ring_pos >= self.keep, ring_pos, -1))[:, None, :]  # (B, 1, S)
+        recent = held > queries - self.window
+        return ((held >= 0) & (held <= queries) & ((held < self.keep) | recent))[:, None]
+
+    # -- rows --------------------------------------------------------------------------------
+    def rollback(self, keep: list[int]) -> None:
+        """Row b forgets everything after its first keep[b] tokens (O(1)). A bounded row that has
+        wrapped can forget at most margin + 1 tokens (as one sequence's cache)."""
+        lengths = []
+        for length, k in zip(self.lengths, keep, strict=True):
+            k = max(0, min(length, k))
+            if self.bounded and length - k > self.margin + 1 and length > self.slots:
+                raise ValueError(f"cannot roll back {length - k} tokens of a wrapped bounded row; "
+                                 f"at most margin + 1 = {self.margin + 1}")
+            lengths.append(k)
+        self._set(lengths)
+
+    def add(self, cache: Cache | None) -> int:
+        """Append a row holding what a one-sequence cache holds (None or empty: an empty row);
+        returns its index."""
+        length = cache[0].offset if cache else 0
+        if cache and cache[0].keys is not None and length:
+            if not self.bounded:
+                self._grow_for(length)
+            for layer, solo in zip(self.layers, cache, strict=True):
+                layer.add_row(solo.keys, solo.values, length)
+        else:
+            length = 0
+            for layer in self.layers:
+                layer.add_row(None, None, 0)
+        self._set(self.lengths + [length])
+        return len(self.lengths) - 1
+
+    def _grow_for(self, length: int) -> None:
+        if self.layers[0].keys is not None and length > self.capacity():
+            for layer in self.layers:
+                layer.resize(-(-length // STEP) * STEP)
+
+    def remove(self, rows: list[int]) -> None:
+        """Drop the rows at these indices (one copy of the rest, which keep their order)."""
+        gone = set(rows)
+        kept = [i for i in range(len(self.lengths)) if i not in gone]
+        if len(kept) == len(self.lengths):
+            return
+        for layer in self.layers:
+            layer.take(kept)
+        self._set([self.lengths[i] for i in kept])
+
+    def extract(self, index: int) -> Cache:
+        """Row `index` as a one-sequence cache (a copy): an mlx-lm `KVCache` per layer, or a
+        `RollbackRotatingKVCache` when bounded."""
+        length = self.lengths[index]
+        out = []
+        for layer in self.layers:
+            if self.bounded:
+                solo = RollbackRotatingKVCache(self.max_kv_size, self.keep, self.margin)
+            else:
+                solo = KVCache()
+            if layer.keys is not None and length:
+                stop = self.slots if self.bounded else length
+                solo.keys = mx.array(layer.keys[index : index + 1, :, :stop])
+                solo.values = mx.array(layer.values[index : index + 1, :, :stop])
+                solo.offset = length
+            out.append(solo)
+        return out
+
+
+class BatchLayer:
+    """One layer's buffers of a `BatchCache`, as mlx-lm's attention sees them."""
+
+    def __init__(self, batch: BatchCache) -> None:
+        self.batch = batch
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.offsets()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write each row's (B, heads, L, dim) keys/values at its own positions; return what
+        attention reads (the slots `make_mask` describes)."""
+        batch, n = self.batch, keys.shape[2]
+        if self.keys is None:  # rows were all empty: buffers from the first keys seen
+            size = batch.slots if batch.bounded else -(-n // STEP) * STEP
+            self._allocate(keys, values, keys.shape[0], size)
+        slots = batch.slot_of(batch.positions(n))[:, None, :, None]  # (B, 1, L, 1)
+        self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slots, values, axis=2)
+        read = batch.read_length(n)
+        return self.keys[..., :read, :], self.values[..., :read, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return self.batch.make_mask(n)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
+
+    # -- rows --------------------------------------------------------------------------------
+    def _allocate(self, keys: mx.array, values: mx.array, rows: int, size: int) -> None:
+        self.keys = mx.zeros((rows, keys.shape[1], size, keys.shape[3]), keys.dtype)
+        self.values = mx.zeros((rows, values.shape[1], size, values.shape[3]), values.dtype)
+
+    def resize(self, size: int) -> None:
+        if self.keys is None or self.keys.shape[2] == size:
+            return
+        have = self.keys.shape[2]
+        if size < have:
+            self.keys, self.values = self.keys[..., :size, :], self.values[..., :size, :]
+            return
+        pad = [(0, 0), (0, 0), (0, size - have), (0, 0)]
+        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+
+    def add_row(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
+        batch = self.batch
+        rows = len(batch.lengths)
+        if keys is None:
+            if self.keys is not None:  # an empty row
+                shape = (1, *self.keys.shape[1:])
+                self.keys = mx.concatenate([self.keys, mx.zeros(shape, self.keys.dtype)])
+                self.values = mx.concatenate([self.values, mx.zeros((1, *self.values.shape[1:]),
+                                                                    self.values.dtype)])
+            return
+        size = batch.slots if batch.bounded else max(self.capacity_for(length), length)
+        if self.keys is None:
+            if rows:  # earlier rows are all empty: give them buffers too
+                self._allocate(keys, values, rows, size)
+            else:
+                self._allocate(keys, values, 0, size)
+        take = batch.slots if batch.bounded else length
+        row_k, row_v = keys[:1, :, :take], values[:1, :, :take]
+        if take < self.keys.shape[2]:
+            pad = [(0, 0), (0, 0), (0, self.keys.shape[2] - take), (0, 0)]
+            row_k, row_v = mx.pad(row_k, pad), mx.pad(row_v, pad)
+        self.keys = mx.concatenate([self.keys, row_k.astype(self.keys.dtype)])
+        self.values = mx.concatenate([self.values, row_v.astype(self.values.dtype)])
+
+    def capacity_for(self, length: int) -> int:
+        have = 0 if self.keys is None else self.keys.shape[2]
+        return max(have, -(-length // STEP) * STEP)
+
+    def take(self, rows: list[int]) -> None:
+        if self.keys is None:
+            return
+        if not rows:
+            self.keys = self.values = None
+            return
+        index = mx.array(rows, dtype=mx.int32)
+        self.keys, self.values = self.keys[index], self.values[index]
