@@ -359,6 +359,36 @@ def server(r: dict) -> list[str]:
     return lines
 
 
+def batch(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    lines = [
+        f"**Batches: aggregate tokens/s against B** (`python bench/batch.py`; demo pair, "
+        f"{s['dtype']}, {s['max_tokens']} tokens per prompt, each cell a fresh process, warm; "
+        f"{m['device']}, BLAS: {m['blas']}; [json](results/batch.json), "
+        "[plot](results/batch.png)). In brackets: / mlx-lm's `batch_generate` (no draft).",
+        "",
+        "| T | B | mlx-lm | ours plain | ours k=1 | ours k=3 | ours auto | per sequence, k=3 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    cell = {(x["contender"], x["batch"], x["temperature"]): x for x in r["runs"]}
+    for t in s["temperatures"]:
+        for b in s["sizes"]:
+            base = cell[("mlx_lm", b, t)]["aggregate_tps"]
+            row = [f"{t:g}", str(b), f"{base:.0f}"]
+            for c in ("plain", "k1", "k3", "auto"):
+                v = cell[(c, b, t)]["aggregate_tps"]
+                row.append(f"{v:.0f} ({v / base:.2f}x)")
+            row.append(f"{cell[('k3', b, t)]['per_sequence_tps']:.0f}")
+            lines.append("| " + " | ".join(row) + " |")
+    single = {x["temperature"]: x for x in r["runs"] if x["contender"] == "single"}
+    if single:
+        lines += ["", "B = 1 against single-stream `generate` at k=3: " + ", ".join(
+            f"T={t:g} {cell[('k3', 1, t)]['aggregate_tps'] / x['aggregate_tps']:.2f}x "
+            f"({cell[('k3', 1, t)]['aggregate_tps']:.0f} vs {x['aggregate_tps']:.0f} tok/s)"
+            for t, x in sorted(single.items()))]
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -387,6 +417,7 @@ def main() -> None:
         ("draft_vocab", draft_vocab),
         ("distributed", distributed),
         ("server", server),
+        ("batch", batch),
     ]:
         data = _load(name)
         if data is not None:

@@ -93,7 +93,8 @@ def test_batch_cache_rows_match_one_sequence_caches(pair, bound):
     batch = BatchCache(len(target.layers), bound, margin=4)
     for ids, cache in zip(prompts, solo):
         prefill(target, cache, ids)
-        batch.add(cache)
+    batch.add(solo[:1])
+    batch.add(solo[1:])  # joining one by one or together
     for _ in range(14):
         x = rng.integers(0, 300, (3, 3))
         ours = forward_batch(target, mx.array(x), batch)
@@ -152,21 +153,25 @@ def test_batch_mixes_draft_kinds_ks_and_plain_rows(pair, refs):
         assert out[uid] == refs[i][1], kinds[i]
 
 
-def test_sequences_join_and_leave_between_rounds(pair, refs):
+@pytest.mark.parametrize("kind", ["model", None])
+def test_sequences_join_and_leave_between_rounds(pair, refs, kind):
+    """With kind None every round is plain and pipelined (the next round queued before this
+    one is read): joining waits for the queued round, leaving drops the row from it."""
     target, draft, tok = pair
     decoder = BatchDecoder(target, draft, prefill_step=8)  # long prompts take several steps
     out: dict[int, list[int]] = {}
-    first = [decoder.insert(refs[i][0], draft="model", k=3, max_tokens=NEW) for i in (0, 1)]
+    first = [decoder.insert(refs[i][0], draft=kind, k=3, max_tokens=NEW) for i in (0, 1)]
     for uid in first:
         out[uid] = []
     later, gone = [], None
     for step in range(200):
         if step == 3:
-            later = [decoder.insert(refs[i][0], draft="model", k=2, max_tokens=NEW)
+            later = [decoder.insert(refs[i][0], draft=kind, k=2, max_tokens=NEW)
                      for i in (2, 5)]
             out.update({uid: [] for uid in later})
-        if gone is None and len(out[first[1]]) >= 3:
-            gone = decoder.remove(first[1])
+        queued = decoder._queued is not None
+        if gone is None and len(out[first[1]]) >= 3 and (kind is not None or queued):
+            gone = decoder.remove(first[1])  # plain rows: while a round is queued
             assert gone.tokens == out[first[1]] and gone.stats.finish_reason == "closed"
         for uid, tokens in decoder.step().items():
             assert uid != first[1] or gone is None
@@ -174,6 +179,7 @@ def test_sequences_join_and_leave_between_rounds(pair, refs):
             out[uid] += [t.id for t in tokens]
         if not len(decoder):
             break
+    assert gone is not None
     assert out[first[0]] == refs[0][1]
     assert out[later[0]] == refs[2][1] and out[later[1]] == refs[5][1]
     assert 0 < len(out[first[1]]) < NEW and out[first[1]] == refs[1][1][: len(out[first[1]])]

@@ -144,6 +144,10 @@ class BatchDecoder:
         self.width = vocab_width(target)
         self.draft_ratio = 0.25
         self._uid = 0
+        self._queued: tuple[list, list] | None = None  # a plain round queued ahead
+        self._joined = False  # rows joined before this round: its time is not the round's
+        self._chosen: dict[int, int] | None = None  # uid -> the next round's k, chosen ahead
+        self._chain: mx.array | None = None  # this round's draft chain (model rows, steps)
 
     def __len__(self) -> int:
         """Sequences in the decoder (live and prefilling)."""
@@ -227,15 +231,16 @@ class BatchDecoder:
         return row.target_cache, row.draft_cache
 
     def _leave(self, rows: list[_Row]) -> dict[int, Finished]:
-        """Rows out of the batch: caches rolled back to seq[:-1], extracted where kept."""
+        """Rows out of the batch: their caches rolled back to seq[:-1], extracted where kept;
+        a queued round forgets them too."""
+        leaving = {id(r) for r in rows}
+        model_rows = [r for r in self.rows if r.model]
+        for cache, members in ((self.target_cache, self.rows), (self.draft_cache, model_rows)):
+            if cache is not None and members:
+                cache.rollback([len(r.seq) - 1 if id(r) in leaving else length
+                                for r, length in zip(members, cache.lengths)])
         index = {id(r): i for i, r in enumerate(self.rows)}
-        model_index = {id(r): j for j, r in enumerate(r for r in self.rows if r.model)}
-        t_keep = [len(r.seq) - 1 for r in self.rows]
-        self.target_cache.rollback([min(a, b) for a, b in zip(t_keep, self.target_cache.lengths)])
-        if self.draft_cache is not None and len(self.draft_cache):
-            d_keep = [len(r.seq) - 1 for r in self.rows if r.model]
-            self.draft_cache.rollback([min(a, b) for a, b in zip(d_keep,
-                                                                 self.draft_cache.lengths)])
+        model_index = {id(r): j for j, r in enumerate(model_rows)}
         out = {}
         for row in rows:
             t, d = None, None
@@ -247,15 +252,19 @@ class BatchDecoder:
         self.target_cache.remove([index[id(r)] for r in rows])
         if self.draft_cache is not None:
             self.draft_cache.remove([model_index[id(r)] for r in rows if r.model])
-        gone = {id(r) for r in rows}
-        self.rows = [r for r in self.rows if id(r) not in gone]
+        if self._queued is not None:
+            stay = [i for i, r in enumerate(self.rows) if id(r) not in leaving]
+            self._queued = tuple([part[i] for i in stay] for part in self._queued)
+        self.rows = [r for r in self.rows if id(r) not in leaving]
+        if not self.rows:
+            self._queued = None
         return out
 
     # -- prefill -----------------------------------------------------------------------------
     def _admit(self) -> None:
         """Prefill queued sequences, `prefill_step` tokens in all; those whose prompt is in join
         the batch."""
-        budget = self.prefill_step
+        budget, joined = self.prefill_step, []
         while self.pending and budget > 0:
             row = self.pending[0]
             caches = [(self.target, row.target_cache)]
@@ -275,10 +284,28 @@ class BatchDecoder:
                 budget -= len(todo)
             if any(cache_length(cache) < len(row.seq) - 1 for _, cache in caches):
                 break
-            self.pending.pop(0)
-            self._join(row)
+            joined.append(self.pending.pop(0))
+        if joined:
+            self._join(joined)
 
-    def _join(self, row: _Row) -> None:
+    def _join(self, rows: list[_Row]) -> None:
+        """Rows whose prompt is in enter the batch (one copy of each cache for all of them,
+        evaluated here so that the next round's time is the round's own)."""
+        for row in rows:
+            self._ready(row)
+        self.target_cache.add([r.target_cache for r in rows])
+        models = [r for r in rows if r.model]
+        if models:
+            self.draft_cache.add([r.draft_cache for r in models])
+        for row in rows:
+            row.target_cache = row.draft_cache = None
+        self.rows += rows
+        caches = [self.target_cache] + ([self.draft_cache] if models else [])
+        mx.eval([layer.state for cache in caches for layer in cache.layers
+                 if layer.keys is not None])
+        self._joined = True
+
+    def _ready(self, row: _Row) -> None:
         if not row.model:  # prompt lookup indexes the sequence (a model row drafts batched)
             row.drafter.begin(row.seq, None)
         if row.k == AUTO and row.drafter.drafts:
@@ -290,44 +317,83 @@ class BatchDecoder:
             row.policy = shared_policy(self.target, row.drafter.policy_key, self.draft_ratio,
                                        (s.temperature, s.top_p, s.top_k, s.min_p))
             row.stats.policy = row.policy
-        self.target_cache.add(row.target_cache)
-        if row.model:
-            self.draft_cache.add(row.draft_cache)
-        row.target_cache = row.draft_cache = None
-        self.rows.append(row)
 
     # -- a round -----------------------------------------------------------------------------
     def step(self) -> dict[int, list[Token]]:
         """Prefill what is queued (up to `prefill_step` tokens), then one round for every live
         sequence: uid -> its new tokens (the last one carries finish_reason when it ends). Rows
         that finished have left the batch (their `Finished` is in `finished` when caches were
-        kept)."""
-        self._admit()
-        if not self.rows:
-            return {}
-        start, traced = time.perf_counter(), self._traces()
-        self._choose()
-        with mx.stream(self.stream):
-            self._propose()
-            results = self._verify()
+        kept).
+
+        Plain rounds (every row at k = 0) are pipelined as mlx-lm's `batch_generate`: when the
+        next round is plain too, its forward is queued on this round's tokens before they are
+        read, so the host's work overlaps the device's. A queued round runs before anything
+        joins (a joiner waits one round)."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            self._admit()
+            if not self.rows:
+                return {}
+        start, traced = time.perf_counter(), self._traces()  # the round, not the prefill
+        if queued is None:
+            self._choose(self._chosen)
+            with mx.stream(self.stream):
+                self._propose()
+                results = self._verify()
+        else:
+            results = queued
+        self._chosen = None
+        if all(r.round_k == 0 for r in self.rows) and self._may_pipeline():
+            chosen = self._pick(ahead=1)
+            if not any(chosen):
+                self._choose(chosen)
+                with mx.stream(self.stream):
+                    self._propose()
+                    self._queued = self._verify(
+                        mx.stack([r[-1] for r in results[0]])[:, None])
+                mx.async_eval(self._queued[0])
+            else:
+                self._chosen = {r.uid: k for r, k in zip(self.rows, chosen)}
+        mx.eval(results[0])
         elapsed = time.perf_counter() - start
-        return self._commit(results, elapsed, self._traces() == traced)
+        timed, self._joined = self._traces() == traced and not self._joined, False
+        return self._commit(*results, elapsed, timed)
+
+    def _may_pipeline(self) -> bool:
+        """Whether the next round may be queued before this one is read: nobody waiting to
+        join, no logits processors (their history would have to follow device tokens), and a
+        row that goes on past this round."""
+        return (not self.pending and not any(r.processors for r in self.rows)
+                and any(r.generated + 1 < r.max_tokens for r in self.rows))
 
     def _traces(self) -> int:
         return traces(self.target) + (traces(self.draft) if self.draft is not None else 0)
 
-    def _choose(self) -> None:
-        """Each row's k for this round (and its keys split, as `decode` splits them)."""
+    def _pick(self, ahead: int = 0) -> list[int]:
+        """Each row's k for the round `ahead` rounds from now (k="auto" rows share one, chosen
+        with the batch in view)."""
         auto = [r for r in self.rows if r.policy is not None]
         k_auto = 0
         if auto:
-            costs = self._costs()
-            limit = max(r.max_tokens - r.generated - 1 for r in auto)
-            k_auto = choose_for_batch(costs, [r.policy for r in auto], limit)
+            limit = max(r.max_tokens - r.generated - 1 - ahead for r in auto)
+            k_auto = choose_for_batch(self._costs(), [r.policy for r in auto], limit)
+        picks = []
         for row in self.rows:
-            limit = row.max_tokens - row.generated - 1
+            limit = row.max_tokens - row.generated - 1 - ahead
             k = k_auto if row.policy is not None else row.k_cap
-            row.round_k = max(0, min(k, limit, row.k_cap))
+            picks.append(max(0, min(k, limit, row.k_cap)))
+        return picks
+
+    def _choose(self, chosen: list[int] | dict[int, int] | None = None) -> None:
+        """Set each row's k for this round: `chosen` ahead of time (a list in row order, or
+        uid -> k, which must name every row), else picked now."""
+        if isinstance(chosen, dict):
+            chosen = ([chosen[r.uid] for r in self.rows]
+                      if all(r.uid in chosen for r in self.rows) else None)
+        if chosen is None:
+            chosen = self._pick()
+        for row, k in zip(self.rows, chosen, strict=True):
+            row.round_k = k
 
     def _costs(self) -> DraftLengthPolicy:
         key = self.draft if self.draft is not None else "batch"
@@ -339,6 +405,7 @@ class BatchDecoder:
             row.drafts, row.q = [], None
             if row.round_k > 0:
                 row.keys = row.split(2)  # (draft key, verify key)
+        self._chain = None
         model_rows = [r for r in self.rows if r.model]
         if model_rows and max(r.round_k for r in model_rows) > 0:
             self._draft_chain(model_rows)
@@ -411,33 +478,50 @@ class BatchDecoder:
             mx.async_eval(token)
             chain.append(token)
         drafts = mx.stack(chain, axis=1)  # (Bd, steps)
+        self._chain = drafts
         for j, row in enumerate(rows):
             if row.round_k > 0:
                 row.drafts = drafts[j, : row.round_k]
                 if id(row) in qs:
                     row.q = mx.stack(qs[id(row)])
 
-    def _verify(self) -> list[mx.array]:
-        """One batched forward of every row's [last, d_1..d_k]; per row the arrays its commit
-        reads: the argmax at each position (greedy) or [n, token] (sampled)."""
+    def _inputs(self, width: int) -> mx.array:
+        """(B, width): each row's [last, d_1..d_k], right-padded. Host ids (last tokens,
+        prompt lookup) and the draft chain's device ids are merged in a few whole-batch ops."""
+        rows = self.rows
+        host = [[r.seq[-1]] + (r.drafts if isinstance(r.drafts, list) else [])
+                for r in rows]
+        x = mx.array([h + [0] * (width - len(h)) for h in host], dtype=mx.int32)
+        if self._chain is None or width == 1:
+            return x
+        chain = self._chain  # (model rows, steps): pick each model row's own, up to its k
+        steps = chain.shape[1]
+        if steps < width - 1:
+            chain = mx.pad(chain, [(0, 0), (0, width - 1 - steps)])
+        chain = chain[:, : width - 1]
+        model_index, picks, take = 0, [], []
+        for r in rows:
+            picks.append(model_index if r.model else 0)
+            take.append([r.model and i < r.round_k for i in range(width - 1)])
+            model_index += r.model
+        chain = chain[mx.array(picks, dtype=mx.int32)]
+        rest = mx.where(mx.array(take), chain, x[:, 1:])
+        return mx.concatenate([x[:, :1], rest], axis=1)
+
+    def _verify(self, inputs: mx.array | None = None) -> tuple[list, list]:
+        """One batched forward of every row's [last, d_1..d_k] (`inputs`: the (B, 1) last
+        tokens of a plain round, on the device); per row the arrays its commit reads, not yet
+        evaluated: the argmax at each position (greedy) or [n, token] (sampled), and the
+        processed logits where the row wants logprobs."""
         rows = self.rows
         width = 1 + max(r.round_k for r in rows)
-        pieces = []
-        for row in rows:
-            drafts = row.drafts
-            if isinstance(drafts, list):
-                drafts = mx.array(drafts, dtype=mx.int32)
-            pad = width - 1 - row.round_k
-            pieces.append(mx.concatenate([mx.array([row.seq[-1]], dtype=mx.int32),
-                                          drafts[: row.round_k].astype(mx.int32),
-                                          mx.zeros((pad,), dtype=mx.int32)]))
-        x = mx.stack(pieces)
+        x = inputs if inputs is not None else self._inputs(width)
         if self.width is not None:
             x = mx.minimum(x, self.width - 1)  # a wider draft's ids: see speculative._verify
         logits = forward_batch(self.target, x, self.target_cache)  # (B, L, V)
         simple = [not r.processors and r.sampling.greedy for r in rows]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
-        results, self._logits = [], []
+        results, kept = [], []
         for j, row in enumerate(rows):
             k = row.round_k
             row_logits = logits[j : j + 1, : k + 1]  # (1, k+1, V)
@@ -448,7 +532,7 @@ class BatchDecoder:
                 row_logits = mx.stack([process_logits(row_logits[:, i], history, drafts[:i],
                                                       row.processors)
                                        for i in range(k + 1)], axis=1)
-            self._logits.append(row_logits if row.logprobs else None)
+            kept.append(row_logits if row.logprobs else None)
             if simple[j]:
                 results.append(argmax[j, : k + 1])
             elif row.sampling.greedy:
@@ -466,20 +550,30 @@ class BatchDecoder:
                     row.drafts, dtype=mx.int32)
                 n, token = speculative_accept(p, q[None], drafts[None], row.keys[1])
                 results.append(mx.concatenate([n, token]))
-        device = [r.drafts for r in rows if isinstance(r.drafts, mx.array)]
-        mx.eval(results + device)
-        return results
+        return results, kept
 
-    def _commit(self, results: list[mx.array], elapsed: float,
+    def _commit(self, results: list[mx.array], kept: list[mx.array | None], elapsed: float,
                 timed: bool) -> dict[int, list[Token]]:
+        """Book the round for every row, emit its tokens, roll each row's caches back to its
+        accepted prefix (a queued plain round has written one position more), and let finished
+        rows leave."""
+        ahead = 1 if self._queued is not None else 0
         out: dict[int, list[Token]] = {}
         finished: list[_Row] = []
         t_keep, d_keep = [], []
         peak = mx.get_peak_memory() / 1e9
-        for row, result, logits in zip(self.rows, results, self._logits):
+        sizes = [r.size for r in results]
+        flat = mx.concatenate(results).tolist()  # one read for the whole batch
+        chain = self._chain.tolist() if self._chain is not None else None
+        model_index, at = 0, 0
+        for row, size, logits in zip(self.rows, sizes, kept):
             k = row.round_k
-            drafts = row.drafts.tolist() if isinstance(row.drafts, mx.array) else row.drafts
-            values = result.tolist()
+            values, at = flat[at : at + size], at + size
+            if row.model and chain is not None:
+                drafts = chain[model_index][:k]
+            else:
+                drafts = row.drafts if isinstance(row.drafts, list) else row.drafts.tolist()
+            model_index += row.model
             if row.sampling.greedy:
                 n = 0
                 while n < k and drafts[n] == values[n]:
@@ -508,7 +602,7 @@ class BatchDecoder:
                     finished.append(row)
                     break
             out[row.uid] = emitted
-            t_keep.append(len(row.seq) - 1)
+            t_keep.append(len(row.seq) - 1 + ahead)
             if row.model:
                 d_keep.append(len(row.seq) - 1)
         self.target_cache.rollback(t_keep)

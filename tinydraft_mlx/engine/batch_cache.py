@@ -14,7 +14,7 @@ index, rows that accept different numbers of drafts would need their keys shifte
 in the middle of their history, after every round; with a length per row a rollback is a number.
 The price is the same as left padding: attention reads max(length) slots for every row.
 
-Rows join from a one-sequence cache (`add`, a copy of that row into the batch) and leave
+Rows join from one-sequence caches (`add`, one copy of the batch for all joiners) and leave
 (`remove`, the batch's rows copied without it), both between rounds; `extract` gives a row back as
 a one-sequence cache (a `PromptCache` out). Speaks enough of mlx-lm's cache protocol
 (`update_and_fetch`, `offset`, `make_mask`, `state`) for mlx-lm's attention to run on it.
@@ -131,26 +131,18 @@ class BatchCache:
             lengths.append(k)
         self._set(lengths)
 
-    def add(self, cache: Cache | None) -> int:
-        """Append a row holding what a one-sequence cache holds (None or empty: an empty row);
-        returns its index."""
-        length = cache[0].offset if cache else 0
-        if cache and cache[0].keys is not None and length:
-            if not self.bounded:
-                self._grow_for(length)
-            for layer, solo in zip(self.layers, cache, strict=True):
-                layer.add_row(solo.keys, solo.values, length)
-        else:
-            length = 0
-            for layer in self.layers:
-                layer.add_row(None, None, 0)
-        self._set(self.lengths + [length])
-        return len(self.lengths) - 1
-
-    def _grow_for(self, length: int) -> None:
-        if self.layers[0].keys is not None and length > self.capacity():
-            for layer in self.layers:
-                layer.resize(-(-length // STEP) * STEP)
+    def add(self, caches: list[Cache | None]) -> None:
+        """Append one row per one-sequence cache, holding what it holds (None or empty: an
+        empty row): one copy of the batch for all of them."""
+        lengths = [c[0].offset if c and c[0].keys is not None else 0 for c in caches]
+        size = None
+        if not self.bounded:
+            need = max(lengths + self.lengths + [self.capacity()])
+            size = -(-need // STEP) * STEP if need else STEP
+        for i, layer in enumerate(self.layers):
+            layer.add_rows([(c[i].keys, c[i].values) if n else (None, None)
+                            for c, n in zip(caches, lengths)], lengths, size)
+        self._set(self.lengths + lengths)
 
     def remove(self, rows: list[int]) -> None:
         """Drop the rows at these indices (one copy of the rest, which keep their order)."""
@@ -231,33 +223,35 @@ class BatchLayer:
         pad = [(0, 0), (0, 0), (0, size - have), (0, 0)]
         self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
 
-    def add_row(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
+    def add_rows(self, rows: list[tuple[mx.array | None, mx.array | None]],
+                 lengths: list[int], size: int | None) -> None:
+        """Append rows (keys, values of a one-sequence cache, or None for an empty row) in one
+        concatenation; `size`: the slots every row gets (unbounded)."""
         batch = self.batch
-        rows = len(batch.lengths)
-        if keys is None:
-            if self.keys is not None:  # an empty row
-                shape = (1, *self.keys.shape[1:])
-                self.keys = mx.concatenate([self.keys, mx.zeros(shape, self.keys.dtype)])
-                self.values = mx.concatenate([self.values, mx.zeros((1, *self.values.shape[1:]),
-                                                                    self.values.dtype)])
-            return
-        size = batch.slots if batch.bounded else max(self.capacity_for(length), length)
+        template = next((k for k, _ in rows if k is not None), self.keys)
+        if template is None:
+            return  # every row empty: buffers are made at the first forward
+        first_v = next((v for _, v in rows if v is not None), self.values)
+        size = batch.slots if batch.bounded else size
+        heads, dim, dtype = template.shape[1], template.shape[3], template.dtype
+        v_heads, v_dim = first_v.shape[1], first_v.shape[3]
+        old = len(batch.lengths)
         if self.keys is None:
-            if rows:  # earlier rows are all empty: give them buffers too
-                self._allocate(keys, values, rows, size)
-            else:
-                self._allocate(keys, values, 0, size)
-        take = batch.slots if batch.bounded else length
-        row_k, row_v = keys[:1, :, :take], values[:1, :, :take]
-        if take < self.keys.shape[2]:
-            pad = [(0, 0), (0, 0), (0, self.keys.shape[2] - take), (0, 0)]
-            row_k, row_v = mx.pad(row_k, pad), mx.pad(row_v, pad)
-        self.keys = mx.concatenate([self.keys, row_k.astype(self.keys.dtype)])
-        self.values = mx.concatenate([self.values, row_v.astype(self.values.dtype)])
-
-    def capacity_for(self, length: int) -> int:
-        have = 0 if self.keys is None else self.keys.shape[2]
-        return max(have, -(-length // STEP) * STEP)
+            self.keys = mx.zeros((old, heads, size, dim), dtype)
+            self.values = mx.zeros((old, v_heads, size, v_dim), first_v.dtype)
+        else:
+            self.resize(size)
+        keys, values = [self.keys], [self.values]
+        for (k, v), length in zip(rows, lengths):
+            if k is None:
+                keys.append(mx.zeros((1, heads, size, dim), self.keys.dtype))
+                values.append(mx.zeros((1, v_heads, size, v_dim), self.values.dtype))
+                continue
+            take = size if batch.bounded else length
+            pad = [(0, 0), (0, 0), (0, size - take), (0, 0)]
+            keys.append(mx.pad(k[:1, :, :take], pad).astype(self.keys.dtype))
+            values.append(mx.pad(v[:1, :, :take], pad).astype(self.values.dtype))
+        self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
 
     def take(self, rows: list[int]) -> None:
         if self.keys is None:
