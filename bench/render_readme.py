@@ -228,6 +228,17 @@ def row_consistency(r: dict) -> list[str]:
         diffs = run["max_difference_by_rows"].values()
         lines.append(f"| {run['dtype']} | {run['max_abs_logit']:.1f} | "
                      + " | ".join(f"{d:.1e}" if d else "0" for d in diffs) + " |")
+    batched = [run for run in r["runs"] if "max_difference_batched_by_b" in run]
+    if batched:
+        sizes = list(batched[0]["max_difference_batched_by_b"])
+        lines += ["", "The same for batches: a sequence's 4-row verify alone vs as one row of a "
+                  "batch of B sequences of different lengths.", "",
+                  "| dtype | " + " | ".join(f"B = {b}" for b in sizes) + " |",
+                  "| --- " * (len(sizes) + 1) + "|"]
+        for run in batched:
+            diffs = run["max_difference_batched_by_b"].values()
+            lines.append(f"| {run['dtype']} | "
+                         + " | ".join(f"{d:.1e}" if d else "0" for d in diffs) + " |")
     return lines
 
 

@@ -68,10 +68,12 @@ def refs(pair, oracle):
 
 
 def _drain(decoder: BatchDecoder, uids: list[int]) -> dict[int, list[int]]:
+    """Step until every sequence has finished; the tokens of `uids`."""
     out = {uid: [] for uid in uids}
     while len(decoder):
         for uid, tokens in decoder.step().items():
-            out[uid] += [t.id for t in tokens]
+            if uid in out:
+                out[uid] += [t.id for t in tokens]
     return out
 
 
@@ -265,11 +267,13 @@ ROWS = 16  # sequences under test per batch, beside companions of other settings
 PROMPT = "def parse_args(self, args=None):"
 
 
-def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle):
-    """Every batch: 16 sequences at T=1, top-p 0.8, k=2 (independent seeds) and companions at
-    other settings (greedy, T=0.5, T=1.5 with top-k 20, prompt lookup at T=0.7, k=auto), all
-    finishing at different times. The test sequences' first two tokens follow the exact joint;
-    the joint without top-p is rejected (the samples can tell them apart)."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle, seeded):
+    """Every batch: 16 sequences at T=1, top-p 0.8, k=2 and companions at other settings
+    (greedy, T=0.5, T=1.5 with top-k 20, prompt lookup at T=0.7, k=auto), all finishing at
+    different times. The test sequences' first two tokens follow the exact joint; the joint
+    without top-p is rejected (the samples can tell them apart). Seeded sequences draw with
+    their own keys; unseeded ones (seed None) draw together from the decoder's key."""
     target, draft, tok = pair
     ids = tok.encode(PROMPT)
     joint, wrong = {}, {}
@@ -291,7 +295,7 @@ def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle):
         decoder = BatchDecoder(target, draft)
         uids = []
         for j in range(ROWS):
-            sampling = SamplingParams(1.0, top_p=0.8, seed=batch * ROWS + j)
+            sampling = SamplingParams(1.0, top_p=0.8, seed=batch * ROWS + j if seeded else None)
             uids.append(decoder.insert(ids, draft="model", k=2, max_tokens=3, sampling=sampling))
             if j % 4 == 0:
                 s, kind, k = companions[(batch + j // 4) % len(companions)]
@@ -312,6 +316,32 @@ def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle):
     assert stat < chi2_threshold(df), (stat, df)
     wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
     assert wrong_stat > chi2_threshold(wrong_df)
+
+
+def test_unseeded_plain_rows_drawn_together_follow_the_oracle(pair, oracle):
+    """Unseeded plain rows at a temperature alone are drawn in one categorical over the scaled
+    logits: 2400 first tokens (rows of 48-row batches, beside a seeded and a top-p companion)
+    against the oracle's softmax(x / 0.8); softmax(x / 1.1) must be rejected."""
+    target, _, tok = pair
+    ids = tok.encode(PROMPT)
+    last = oracle.logits(ids)[-1]
+    exact, wrong = (warp_np(last, temperature=t) for t in (0.8, 1.1))
+    counts = Counter()
+    for _ in range(50):
+        decoder = BatchDecoder(target)
+        uids = [decoder.insert(ids, max_tokens=1, sampling=SamplingParams(0.8))
+                for _ in range(48)]
+        decoder.insert(ids, max_tokens=2, sampling=SamplingParams(0.8, seed=3))
+        decoder.insert(ids, max_tokens=2, sampling=SamplingParams(0.8, top_p=0.5))
+        out = _drain(decoder, uids)
+        counts.update(out[uid][0] for uid in uids)
+    n = sum(counts.values())
+    probs = {i: float(p) for i, p in enumerate(exact) if p > 0}
+    stat, df = chi2_statistic(counts, probs, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, {i: float(p) for i, p in enumerate(wrong)}, n)
+    assert wrong_stat > chi2_threshold(wrong_df)
+    assert len(counts) > 5
 
 
 # -- seeds ----------------------------------------------------------------------------------------
@@ -368,3 +398,16 @@ def test_batch_generate_refuses_bad_arguments(pair):
         with pytest.raises(ParameterError, match=name):
             batch_generate(target, draft, tok, prompts, **kwargs)
     assert not cache.in_use
+
+
+def test_batch_decoder_refuses_bad_sequences(pair, load):
+    target, draft, tok = pair
+    other = load("target", "wide_draft")[1]
+    with pytest.raises(ParameterError, match='draft must be not "model"'):
+        BatchDecoder(target).insert([1, 2], draft="model")
+    decoder = BatchDecoder(target, draft)
+    with pytest.raises(ParameterError, match="draft must be"):
+        decoder.insert([1, 2], draft=other)  # a model the decoder does not hold
+    with pytest.raises(ParameterError, match="prompt must be at least one token"):
+        decoder.insert([], draft="model")
+    assert len(decoder) == 0  # nothing half-inserted

@@ -45,7 +45,14 @@ from ..backend import generation_stream
 from .batch_cache import BatchCache
 from .cache import KEEP, Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
-from .drafters import Drafter, draft_logits, max_draft_length, point_mass, resolve_drafter
+from .drafters import (
+    MODEL,
+    Drafter,
+    draft_logits,
+    max_draft_length,
+    point_mass,
+    resolve_drafter,
+)
 from .forward import PREFILL_STEP, forward_batch, model_inputs, prefill, traces, vocab_width
 from .policy import (
     AUTO,
@@ -55,8 +62,8 @@ from .policy import (
     choose_for_batch,
     shared_policy,
 )
-from .rejection import speculative_accept
-from .sampling import Processor, SamplingParams, process_logits, warp
+from .rejection import speculative_accept, speculative_accept_rows
+from .sampling import ParameterError, Processor, SamplingParams, process_logits, warp
 from .speculative import Token
 from .stats import GenerationStats
 
@@ -118,6 +125,24 @@ class _Row:
         return keys
 
 
+def _scaled_draw(row: _Row) -> bool:
+    """A plain step that may be drawn from logits / T with a shared key: unseeded (a seeded
+    row draws exactly as `decode` would), no processors, no filter (top-k, top-p, min-p)."""
+    s = row.sampling
+    return (row.round_k == 0 and not s.greedy and s.seed is None and not row.processors
+            and s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0)
+
+
+def _regimes(rows: list[_Row], where) -> dict[tuple, list[int]]:
+    """Indices of the rows `where` selects, grouped by sampling settings (one warp each)."""
+    groups: dict[tuple, list[int]] = {}
+    for j, row in enumerate(rows):
+        if where(row):
+            s = row.sampling
+            groups.setdefault((s.temperature, s.top_p, s.top_k, s.min_p), []).append(j)
+    return groups
+
+
 class BatchDecoder:
     """Rounds of speculative decoding over a changing batch of sequences (see the module
     docstring). `draft`: the draft model sequences with draft "model" use (None: none may).
@@ -143,6 +168,8 @@ class BatchDecoder:
         self.stream = generation_stream()
         self.width = vocab_width(target)
         self.draft_ratio = 0.25
+        # unseeded rows draw together from this key; a seeded row uses its own (see `split`)
+        self.key = mx.random.key(random.SystemRandom().getrandbits(63))
         self._uid = 0
         self._queued: tuple[list, list] | None = None  # a plain round queued ahead
         self._joined = False  # rows joined before this round: its time is not the round's
@@ -173,7 +200,17 @@ class BatchDecoder:
         `draft` is "model" (the decoder's draft model), a `PromptLookup`, "prompt-lookup" or
         None; caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
         `keep_caches`: keep the sequence's caches for `remove` / `finished`."""
-        drafter = resolve_drafter(self.draft if draft == "model" else draft)
+        if not prompt:
+            raise ParameterError("prompt", "at least one token", prompt)
+        if isinstance(draft, str) and draft == MODEL:
+            if self.draft is None:
+                raise ParameterError("draft", 'not "model" in a decoder without a draft model',
+                                     draft)
+            draft = self.draft
+        drafter = resolve_drafter(draft)
+        if drafter.model is not None and drafter.model is not self.draft:
+            raise ParameterError("draft", '"model" (the decoder\'s draft model), prompt lookup '
+                                 "or None", type(draft).__name__)
         seed = sampling.seed
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
@@ -450,7 +487,8 @@ class BatchDecoder:
         last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
         logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
         sampled = [r for r in rows if not r.sampling.greedy and r.round_k > 0]
-        keys = {id(r): mx.random.split(r.keys[0], r.round_k) for r in sampled}
+        keys = {id(r): mx.random.split(r.keys[0], r.round_k) for r in sampled
+                if r.sampling.seed is not None}  # seeded rows draw with their own keys
         histories = {id(r): mx.array(r.seq, dtype=mx.int32) for r in rows if r.processors}
         plain = not sampled and not histories
         qs: dict[int, list[mx.array]] = {id(r): [] for r in sampled}
@@ -461,7 +499,13 @@ class BatchDecoder:
             if plain:
                 token = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
-                picks = []
+                picks, warped, shared = [], {}, []
+                def sampled_here(r: _Row, i: int = i) -> bool:
+                    return id(r) in qs and i < r.round_k and id(r) not in histories
+
+                for members in _regimes(rows, sampled_here).values():
+                    probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
+                    warped.update({j: probs[g] for g, j in enumerate(members)})
                 for j, row in enumerate(rows):
                     row_logits = logits[j]
                     if id(row) in histories:
@@ -469,11 +513,21 @@ class BatchDecoder:
                                                   [t[j] for t in chain], row.processors,
                                                   self.width)
                     if id(row) in qs and i < row.round_k:
-                        q = warp(row_logits, row.sampling)
+                        q = warped[j] if j in warped else warp(row_logits, row.sampling)
                         qs[id(row)].append(q)
-                        picks.append(mx.random.categorical(mx.log(q), key=keys[id(row)][i]))
+                        if id(row) in keys:
+                            picks.append(mx.random.categorical(mx.log(q), key=keys[id(row)][i]))
+                        else:
+                            shared.append(j)
+                            picks.append(None)
                     else:
                         picks.append(mx.argmax(row_logits, axis=-1))
+                if shared:  # unseeded rows: one draw for all of them
+                    drawn = mx.random.categorical(
+                        mx.log(mx.stack([qs[id(rows[j])][-1] for j in shared])),
+                        key=self._shared_key())
+                    for g, j in enumerate(shared):
+                        picks[j] = drawn[g]
                 token = mx.stack(picks).astype(mx.int32)
             mx.async_eval(token)
             chain.append(token)
@@ -521,7 +575,22 @@ class BatchDecoder:
         logits = forward_batch(self.target, x, self.target_cache)  # (B, L, V)
         simple = [not r.processors and r.sampling.greedy for r in rows]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
-        results, kept = [], []
+        results: list[mx.array | None] = [None] * len(rows)
+        kept: list[mx.array | None] = [None] * len(rows)
+        # unseeded plain rows at a temperature alone need no probabilities: softmax(x / T)
+        # sampled from the scaled logits, all such rows of one temperature in one draw
+        for members in _regimes(rows, _scaled_draw).values():
+            scaled = logits[mx.array(members), 0].astype(mx.float32) / rows[
+                members[0]].sampling.temperature
+            tokens = mx.random.categorical(scaled, key=self._shared_key()).astype(mx.int32)
+            for i, j in enumerate(members):
+                results[j] = tokens[i : i + 1]
+        warped: dict[int, mx.array] = {}  # row -> its warped p (other sampled rows)
+        for members in _regimes(rows, lambda r: not r.sampling.greedy and not r.processors
+                                and not _scaled_draw(r)).values():
+            probs = warp(logits[mx.array(members)], rows[members[0]].sampling)  # one warp
+            warped.update({j: probs[i : i + 1] for i, j in enumerate(members)})
+        plain_shared = []  # unseeded plain rows: drawn together
         for j, row in enumerate(rows):
             k = row.round_k
             row_logits = logits[j : j + 1, : k + 1]  # (1, k+1, V)
@@ -532,25 +601,61 @@ class BatchDecoder:
                 row_logits = mx.stack([process_logits(row_logits[:, i], history, drafts[:i],
                                                       row.processors)
                                        for i in range(k + 1)], axis=1)
-            kept.append(row_logits if row.logprobs else None)
+            kept[j] = row_logits if row.logprobs else None
+            if results[j] is not None:  # drawn above
+                continue
             if simple[j]:
-                results.append(argmax[j, : k + 1])
+                results[j] = argmax[j, : k + 1]
             elif row.sampling.greedy:
-                results.append(mx.argmax(row_logits[0], axis=-1).astype(mx.int32))
+                results[j] = mx.argmax(row_logits[0], axis=-1).astype(mx.int32)
+            elif k == 0 and j in warped and row.sampling.seed is None:
+                plain_shared.append(j)
             elif k == 0:  # a plain step, sampled as `speculative._plain_step` samples it
-                p = warp(row_logits[:, 0], row.sampling)
-                token = mx.random.categorical(mx.log(p), key=row.keys[0]).astype(mx.int32)
-                results.append(mx.concatenate([mx.zeros((1,), dtype=mx.int32), token]))
-            else:
+                p = warped[j][:, 0] if j in warped else warp(row_logits[:, 0], row.sampling)
+                results[j] = mx.random.categorical(mx.log(p), key=row.keys[0]).astype(mx.int32)
+            elif j not in warped:  # processed logits: this row alone
                 p = warp(row_logits, row.sampling)
-                q = row.q
-                if q is None:  # a deterministic proposal (prompt lookup): point masses
-                    q = point_mass(mx.array(row.drafts, dtype=mx.int32), p.shape[-1])
-                drafts = row.drafts if isinstance(row.drafts, mx.array) else mx.array(
-                    row.drafts, dtype=mx.int32)
-                n, token = speculative_accept(p, q[None], drafts[None], row.keys[1])
-                results.append(mx.concatenate([n, token]))
+                n, token = speculative_accept(p, self._q(row, p.shape[-1])[None],
+                                              self._drafts(row)[None], row.keys[1])
+                results[j] = mx.concatenate([n, token])
+        if plain_shared:
+            logs = mx.log(mx.concatenate([warped[j][:, 0] for j in plain_shared]))
+            tokens = mx.random.categorical(logs, key=self._shared_key()).astype(mx.int32)
+            for i, j in enumerate(plain_shared):
+                results[j] = tokens[i : i + 1]
+        drafting = [j for j in warped if rows[j].round_k > 0]
+        for seeded in (True, False):  # acceptance in one batch per kind of key
+            members = [j for j in drafting if (rows[j].sampling.seed is not None) == seeded]
+            if not members:
+                continue
+            lengths = [rows[j].round_k for j in members]
+            top = max(lengths)
+            p = mx.concatenate([warped[j][:, : top + 1] for j in members])
+            q = mx.stack([mx.pad(self._q(rows[j], p.shape[-1]), [(0, top - n), (0, 0)])
+                          for j, n in zip(members, lengths)])
+            d = mx.stack([mx.pad(self._drafts(rows[j]), [(0, top - n)])
+                          for j, n in zip(members, lengths)])
+            keys = [rows[j].keys[1] for j in members] if seeded else self._shared_key()
+            n, token = speculative_accept_rows(p, q, d, lengths, keys)
+            pairs = mx.stack([n, token], axis=1)
+            for i, j in enumerate(members):
+                results[j] = pairs[i]
         return results, kept
+
+    def _shared_key(self) -> mx.array:
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    @staticmethod
+    def _drafts(row: _Row) -> mx.array:
+        d = row.drafts
+        return (d if isinstance(d, mx.array) else mx.array(d, dtype=mx.int32))[: row.round_k]
+
+    def _q(self, row: _Row, width: int) -> mx.array:
+        """The row's (k, Vq) draft distributions; point masses for a deterministic proposal."""
+        if row.q is not None:
+            return row.q
+        return point_mass(self._drafts(row), width)
 
     def _commit(self, results: list[mx.array], kept: list[mx.array | None], elapsed: float,
                 timed: bool) -> dict[int, list[Token]]:
@@ -579,8 +684,8 @@ class BatchDecoder:
                 while n < k and drafts[n] == values[n]:
                     n += 1
                 token = values[n]
-            else:
-                n, token = values
+            else:  # [n, token], or [token] for a plain step
+                n, token = values if size == 2 else (0, values[0])
             tokens = drafts[:n] + [token]
             row.stats.record_round(k, n)
             row.stats.decode_seconds += elapsed

@@ -80,3 +80,53 @@ def speculative_accept(
     row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
     token = mx.random.categorical(mx.log(row), key=sample_key)
     return n, token.astype(mx.int32)
+
+
+def speculative_accept_rows(
+    p: mx.array, q: mx.array, draft_tokens: mx.array, lengths: list[int],
+    keys: list[mx.array] | mx.array,
+) -> tuple[mx.array, mx.array]:
+    """`speculative_accept` for B rows that drafted different numbers of tokens: row b drafted
+    lengths[b] tokens (its p rows beyond lengths[b] + 1 and q, draft rows beyond lengths[b] are
+    padding). With a key per row (`keys` a list), row b's randomness is drawn exactly as
+    `speculative_accept` draws it for that row alone (its key split in two; a (1, lengths[b])
+    uniform; a categorical over its (1, V) residual row), so a seeded row's outcome does not
+    depend on the rows beside it; with one key (`keys` an array) the rows' draws are made
+    together (independent draws all the same: each row is still distributed exactly as p).
+
+    Args:
+        p: (B, L, Vp) target probabilities, L = max(lengths) + 1; q: (B, L - 1, Vq);
+        draft_tokens: (B, L - 1) int; lengths: B ints in [1, L - 1]; keys: B `mx.random.key`s.
+    Returns:
+        n: (B,) accepted counts; token: (B,) the token emitted after the accepted ones.
+    """
+    batch, k1, _ = p.shape
+    k = k1 - 1
+    width = max(p.shape[-1], q.shape[-1])
+    p, q = _pad_vocab(p, width), _pad_vocab(q, width)
+    if isinstance(keys, mx.array):  # one key for the batch: rows drawn jointly
+        accept_key, sample_key = mx.random.split(keys)
+        u = mx.random.uniform(shape=(batch, k), key=accept_key)
+    else:
+        split = [mx.random.split(key) for key in keys]
+        u = mx.concatenate([mx.pad(mx.random.uniform(shape=(1, n), key=s[0]),
+                                   [(0, 0), (0, k - n)])
+                            for s, n in zip(split, lengths)])  # (B, k); padding masked below
+    drafted = mx.arange(k)[None] < mx.array(lengths)[:, None]
+    d = draft_tokens.astype(mx.int32)[..., None]
+    p_d = mx.take_along_axis(p[:, :k], d, axis=-1)[..., 0]
+    q_d = mx.take_along_axis(q, d, axis=-1)[..., 0]
+    n = _leading_true((u * q_d < p_d) & drafted)
+    # q beyond a row's drafts is zero (padding), so its bonus row's residual is p itself
+    q_ext = mx.concatenate([q * drafted[..., None], mx.zeros((batch, 1, width), q.dtype)], axis=1)
+    residual = mx.maximum(p - q_ext, 0.0)
+    row = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]
+    p_row = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
+    logs = mx.log(row)
+    if isinstance(keys, mx.array):
+        token = mx.random.categorical(logs, key=sample_key)
+    else:
+        token = mx.concatenate([mx.random.categorical(logs[b : b + 1], key=split[b][1])
+                                for b in range(batch)])
+    return n, token.astype(mx.int32)
