@@ -346,27 +346,29 @@ def distributed(r: dict) -> list[str]:
 def server(r: dict) -> list[str]:
     s = r["settings"]
     pair = "demo pair" if s["target"] is None else Path(s["target"]).name
-    ours, theirs = "tinydraft-mlx", "mlx_lm.server"
+    engines = [e for e in r["cells"][0] if e not in ("temperature", "clients")]
+    base = "mlx_lm.server, no draft" if "mlx_lm.server, no draft" in engines else engines[-1]
     lines = [
-        f"**Through HTTP: our server vs `mlx_lm.server --draft-model`** (`python bench/server.py`;"
-        f" {pair}, {s['dtype']} for both, k={s['k']}, {s['max_tokens']} tokens per request, "
-        f"{s['requests']} streaming requests per client, {r['machine']['device']}, BLAS: "
-        f"{r['machine']['blas']}; [json](results/{s['name']}.json), "
-        f"[plot](results/{s['name']}.png))",
+        f"**Through HTTP** (`python bench/server.py`; {pair}, {s['dtype']} for all, k={s['k']}, "
+        f"{s['max_tokens']} tokens per request, {s['requests']} streaming requests per client, "
+        f"{r['machine']['device']}, BLAS: {r['machine']['blas']}; "
+        f"[json](results/{s['name']}.json), [plot](results/{s['name']}.png)). Throughput tok/s "
+        f"(ratio to `{base}`) / median TTFT ms; greedy rows: share of texts equal to plain "
+        "greedy decoding.",
         "",
-        "| T | clients | TTFT, median (ours / mlx-lm) | throughput tok/s (ours / mlx-lm) | "
-        "ratio | equal to plain greedy (ours / mlx-lm) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| T | clients | " + " | ".join(f"`{e}`" for e in engines) + " |",
+        "| --- | --- | " + "--- | " * len(engines),
     ]
     for c in r["cells"]:
-        a, b = c[ours], c[theirs]
-        equal = (f"{a['equal_to_plain_greedy']:.0%} / {b['equal_to_plain_greedy']:.0%}"
-                 if "equal_to_plain_greedy" in a else "(sampled)")
-        lines.append(
-            f"| {c['temperature']:g} | {c['clients']} | {a['ttft_median_s'] * 1e3:.0f} / "
-            f"{b['ttft_median_s'] * 1e3:.0f} ms | {a['throughput_tps']:.0f} / "
-            f"{b['throughput_tps']:.0f} | {a['throughput_tps'] / b['throughput_tps']:.2f}x | "
-            f"{equal} |")
+        ref = c[base]["throughput_tps"]
+        cells = []
+        for e in engines:
+            x = c[e]
+            equal = (f", {x['equal_to_plain_greedy']:.0%} exact" if "equal_to_plain_greedy" in x
+                     else "")
+            cells.append(f"{x['throughput_tps']:.0f} ({x['throughput_tps'] / ref:.2f}x) / "
+                         f"{x['ttft_median_s'] * 1e3:.0f} ms{equal}")
+        lines.append(f"| {c['temperature']:g} | {c['clients']} | " + " | ".join(cells) + " |")
     return lines
 
 

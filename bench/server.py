@@ -1,7 +1,9 @@
-"""Time to first token and tokens/s through HTTP: our server vs `mlx_lm.server --draft-model`, the
-same pair, prompts and k, 1/2/4/8 concurrent streaming clients, greedy and T=0.7.
+"""Time to first token and tokens/s through HTTP: our server (batching, `--max-batch 8`, and one
+request at a time, `--max-batch 1`) vs `mlx_lm.server --draft-model` (which does not batch) and
+plain `mlx_lm.server` (no draft, batched), the same pair, prompts and k, 1/2/4/8/16 concurrent
+streaming clients, greedy and T=0.7.
 
-    python bench/server.py                                    # the demo pair, ~3 minutes
+    python bench/server.py                                    # the demo pair, ~6 minutes
     python bench/server.py --target $S/1.5B --draft $S/0.5B --clients 1 2 --requests 1 \\
         --max-tokens 16 --name server_shapes
 
@@ -42,7 +44,8 @@ from tinydraft_mlx.loading import DEMO_DIR, _rope_overrides
 
 PROMPTS = ["def parse_args(", "class Config:", "import os\nimport sys\n", "for i in range(",
            "def main():\n", "if __name__ == ", "with open(", "    return "]
-ENGINES = ("tinydraft-mlx", "mlx_lm.server")
+ENGINES = ("tinydraft-mlx", "tinydraft-mlx --max-batch 1", "mlx_lm.server",
+           "mlx_lm.server, no draft")
 
 
 def float32_copy(src: Path, dst: Path) -> Path:
@@ -80,14 +83,18 @@ def free_port() -> int:
 
 def start(engine: str, target: Path, draft: Path, k: int, env: dict) -> tuple:
     port = free_port()
-    if engine == "tinydraft-mlx":
+    if engine.startswith("tinydraft-mlx"):
         cmd = [sys.executable, "-m", "tinydraft_mlx.server", "--target", str(target), "--draft",
                str(draft), "-k", str(k), "--port", str(port), "--log-level", "warning",
-               "--max-queue", "64", "--dtype", "float32"]
-    else:
+               "--max-queue", "64", "--dtype", "float32",
+               "--max-batch", "1" if engine.endswith("--max-batch 1") else "8"]
+    elif engine == "mlx_lm.server":
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--draft-model",
                str(draft), "--num-draft-tokens", str(k), "--port", str(port), "--log-level",
                "WARNING"]
+    else:  # without a draft model mlx_lm.server batches concurrent requests
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--port",
+               str(port), "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -156,7 +163,7 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="target directory (default: demo target)")
     ap.add_argument("--draft", default=None, help="draft directory (default: demo draft)")
     ap.add_argument("-k", type=int, default=3, help="draft tokens per round, both engines (3)")
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--requests", type=int, default=3, help="requests per client per cell")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -171,7 +178,7 @@ def main() -> None:
         env["LD_PRELOAD"] = mkl[0]
     plain = plain_greedy(target, args.max_tokens)
     servers = {e: start(e, target, draft, args.k, env) for e in ENGINES}
-    models = {"tinydraft-mlx": str(target), "mlx_lm.server": "default_model"}
+    models = {e: str(target) if e.startswith("tinydraft") else "default_model" for e in ENGINES}
     try:
         for engine, (_, url) in servers.items():  # warm-up: load, compile, allocate
             asyncio.run(cell(url, models[engine], 2, argparse.Namespace(
@@ -179,12 +186,12 @@ def main() -> None:
         cells = []
         for n, (temperature, clients) in enumerate(
                 [(t, c) for t in args.temperatures for c in args.clients]):
-            order = ENGINES if n % 2 == 0 else ENGINES[::-1]
+            order = ENGINES if n % 2 == 0 else ENGINES[::-1]  # alternating which goes first
             row = {"temperature": temperature, "clients": clients}
             for engine in order:
                 row[engine] = asyncio.run(cell(servers[engine][1], models[engine], clients, args,
                                                temperature))
-            ours, theirs = row["tinydraft-mlx"], row["mlx_lm.server"]
+            ours, theirs = row["tinydraft-mlx"], row["mlx_lm.server, no draft"]
             if temperature == 0:
                 for engine in ENGINES:
                     requests = row[engine]["requests"]
@@ -198,7 +205,7 @@ def main() -> None:
             print(f"T={temperature} clients={clients}: TTFT {ours['ttft_median_s'] * 1e3:.0f} vs "
                   f"{theirs['ttft_median_s'] * 1e3:.0f} ms, throughput "
                   f"{ours['throughput_tps']:.0f} vs {theirs['throughput_tps']:.0f} tok/s "
-                  f"(ours vs mlx_lm.server)", flush=True)
+                  f"(ours batched vs mlx_lm.server without a draft, batched)", flush=True)
             cells.append(row)
     finally:
         for proc, _ in servers.values():
@@ -217,7 +224,7 @@ def plot(report: dict, path: Path) -> None:
     for t, style in zip(s["temperatures"], ("-", "--")):
         rows = [c for c in report["cells"] if c["temperature"] == t]
         x = [c["clients"] for c in rows]
-        for engine, colour in zip(ENGINES, ("tab:green", "tab:gray")):
+        for engine, colour in zip(ENGINES, ("tab:green", "tab:olive", "tab:gray", "tab:blue")):
             axes[0].plot(x, [c[engine]["ttft_median_s"] * 1e3 for c in rows], style, color=colour,
                          marker="o", label=f"{engine}, T={t}")
             axes[1].plot(x, [c[engine]["throughput_tps"] for c in rows], style, color=colour,

@@ -85,10 +85,13 @@ def models():
     return target, draft, tokenizer
 
 
-@pytest.fixture(scope="module")
-def served(models):
+@pytest.fixture(scope="module", params=[1, 8], ids=["one-at-a-time", "batched"])
+def served(models, request):
+    """The server, generating one request at a time (--max-batch 1) and batched (8): every
+    test of it runs on both."""
     target, draft, tokenizer = models
-    worker = Worker(target, draft, tokenizer, cache_bytes=64 << 20, max_queue=32)
+    worker = Worker(target, draft, tokenizer, cache_bytes=64 << 20, max_queue=32,
+                    max_batch=request.param)
     s = Served(create_app(worker, "demo", Defaults(k=4, max_tokens=32),
                           max_body_bytes=1 << 20))
     yield s

@@ -62,6 +62,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
+DEFAULT_BATCH = 8  # --max-batch: measured with bench/server.py (README)
+MAX_BATCH = 256
 
 log = logging.getLogger("tinydraft_mlx.server")
 
@@ -458,7 +460,8 @@ class Service:
         return (200 if alive else 503), {
             "status": "ok" if alive else "error", "model": self.model_name,
             "draft": self.defaults.draft, "worker": {"alive": alive, "errors": w.errors},
-            "running": w.running, "waiting": w.waiting, "requests": dict(w.counts),
+            "running": w.running, "batch": w.batch, "max_batch": w.max_batch,
+            "waiting": w.waiting, "requests": dict(w.counts),
             "prompt_cache": {"entries": entries, "bytes": nbytes, "max_bytes": w.pool.max_bytes}}
 
 
@@ -727,6 +730,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="bytes of KV caches kept for recent conversations (1 GiB)")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests that may wait for the model; beyond, 503 (32)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_BATCH,
+                   help="requests generated together, as one batch of speculative rounds; 1: "
+                        f"one at a time ({DEFAULT_BATCH})")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="default max_tokens of a request (512)")
     p.add_argument("--temp", type=float, default=0.0,
@@ -757,6 +763,7 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         check_k(k)
         check_int("--port", args.port, 0, 65535)
         check_int("--max-queue", args.max_queue, 1)
+        check_int("--max-batch", args.max_batch, 1, MAX_BATCH)
         check_int("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
         check_int("--max-tokens", args.max_tokens, 1)
         check_int("--max-connections", args.max_connections, 1)
@@ -787,7 +794,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     drafter = resolve_drafter(draft)
     model, default_draft = drafter.model, drafter.name
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
-                    cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue)
+                    cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue,
+                    max_batch=args.max_batch)
     name = args.model_name or args.target or "tinydraft-demo"
     defaults = Defaults(k=args.k, draft=default_draft, max_tokens=args.max_tokens,
                         temperature=args.temp)

@@ -1,12 +1,15 @@
-"""One model, one generation at a time: a bounded FIFO of jobs and the thread that runs them.
+"""One model, one generation thread: a bounded FIFO of jobs and the thread that runs them.
 
-MLX evaluates one stream at a time, so a server runs its generations one after another on a
-single thread, off the event loop (which keeps serving `/health` and accepting connections). A job
-is a prompt (token ids), the `stream_generate` options and a `deliver` callback; the thread sends
-it a `Started`, then a `Piece` per token, then `Done` (or `Failed`, whose error says what went
-wrong: an invalid option is a `ParameterError`). Setting `job.cancelled` (a client hung up) stops
-the generation before its next token, i.e. within one round; the loop is closed, so the caches
-keep exactly prompt + the tokens emitted and go back to the prompt-cache pool.
+MLX evaluates one stream at a time, so a server runs its generations on a single thread, off the
+event loop (which keeps serving `/health` and accepting connections). With `max_batch` 1 the
+thread runs one generation after another; with `max_batch` B it runs up to B at once, as the
+sequences of one `BatchDecoder` (engine/batch.py): a job joins the running batch between rounds
+(after its prompt's prefill, chunked between rounds) and leaves when it finishes, is cancelled or
+fails. A job is a prompt (token ids), the `stream_generate` options and a `deliver` callback; the
+thread sends it a `Started`, then a `Piece` per token, then `Done` (or `Failed`, whose error says
+what went wrong: an invalid option is a `ParameterError`). Setting `job.cancelled` (a client hung
+up) stops the generation before its next token, i.e. within one round; the caches keep exactly
+prompt + the tokens emitted and go back to the prompt-cache pool.
 
 Nothing a job does ends the thread: every error is reported to that job (and logged), and the
 thread takes the next one. `alive` says whether the thread runs; `submit` refuses jobs
@@ -21,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +32,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .api import stream_generate
+from .api import _plan, stream_generate
+from .batching import _defaults, _drain
 from .cache_pool import PromptCachePool
+from .engine.batch import BatchDecoder
+from .engine.cache import cache_length
+from .engine.drafters import MODEL
+from .engine.speculative import Token
 from .engine.stats import GenerationStats
-from .prompt_cache import PromptCache
-from .text import GenerationResponse
+from .prompt_cache import MARGIN, PromptCache
+from .text import GenerationResponse, responses
 
 log = logging.getLogger("tinydraft_mlx.worker")
 
@@ -109,9 +117,12 @@ class Worker:
 
     def __init__(self, target: nn.Module, draft: nn.Module | None, tokenizer: Any, *,
                  max_kv_size: int | None = None, cache_bytes: int = 1 << 30,
-                 max_queue: int = 32) -> None:
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise ValueError(f"max_queue must be an integer >= 1 (got {max_queue!r})")
+                 max_queue: int = 32, max_batch: int = 1) -> None:
+        for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+        self.max_batch = max_batch
+        self.live: dict[int, _Live] = {}  # uid -> the batch's jobs (max_batch > 1)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.max_kv_size = max_kv_size
         self.pool = PromptCachePool(
@@ -123,12 +134,17 @@ class Worker:
         self.cache_info = (0, 0)  # (caches, bytes) in the pool after the latest job
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._seconds = 1.0  # running mean of a job's duration, for Retry-After
-        self._thread = threading.Thread(target=self._run, name="tinydraft-generation",
-                                        daemon=True)
+        run = self._run if max_batch == 1 else self._run_batched
+        self._thread = threading.Thread(target=run, name="tinydraft-generation", daemon=True)
 
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def batch(self) -> int:
+        """Generations running now (0 or 1 with max_batch 1)."""
+        return len(self.live) if self.max_batch > 1 else int(self.running)
 
     @property
     def alive(self) -> bool:
@@ -221,6 +237,156 @@ class Worker:
             return
         if pc is not None:
             self.pool.put(pc)
+
+
+    # -- batched ------------------------------------------------------------------------------
+    def _run_batched(self) -> None:
+        """Up to max_batch jobs as one batch: admit waiting jobs between rounds, run a round,
+        hand every job its tokens, let finished, cancelled and failed jobs leave."""
+        decoder = self._decoder()
+        while True:
+            try:
+                stop = self._admit_waiting(decoder)
+                if stop:
+                    for uid in list(self.live):
+                        self._leave(decoder, uid, Done(self.live[uid].stats, cancelled=True),
+                                    "cancelled")
+                    return
+                if not self.live:
+                    continue
+                self.running = True
+                for uid in [u for u, live in self.live.items() if live.job.cancelled.is_set()]:
+                    self._leave(decoder, uid, Done(self.live[uid].stats, cancelled=True),
+                                "cancelled")
+                if not self.live:
+                    continue
+                try:
+                    out = decoder.step()
+                except Exception as err:  # inside the batched round: every job in it fails
+                    log.error("a batched round failed; its jobs fail", exc_info=err)
+                    self.errors += 1
+                    for uid in list(self.live):
+                        self._leave(decoder, uid, Failed(err), "failed", pool=False)
+                    decoder = self._decoder()  # a fresh batch: nothing half-updated is reused
+                    continue
+                for uid, tokens in out.items():
+                    self._hand(decoder, uid, tokens)
+            except Exception as err:  # a bug outside the jobs: logged, the thread goes on
+                self.errors += 1
+                log.error("the generation thread caught an error", exc_info=err)
+            finally:
+                self.running = bool(self.live)
+                self.cache_info = (len(self.pool), self.pool.nbytes)
+
+    def _decoder(self) -> BatchDecoder:
+        return BatchDecoder(self.target, self.draft, max_kv_size=self.max_kv_size,
+                            max_k=MARGIN - 1)  # the row layout of the pool's bounded caches
+
+    def _admit_waiting(self, decoder: BatchDecoder) -> bool:
+        """Take waiting jobs into the batch (blocking while it is empty); True on stop."""
+        while len(self.live) < self.max_batch:
+            try:
+                job = self._queue.get(block=not self.live)
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            try:
+                self._join(decoder, job)
+            except Exception as err:  # this job fails, not the batch
+                self.counts["failed"] += 1
+                _deliver(job, Failed(err))
+        return False
+
+    def _join(self, decoder: BatchDecoder, job: Job) -> None:
+        if job.cancelled.is_set():  # its client left while it waited
+            job.deliver(Done(None, cancelled=True))
+            self.counts["cancelled"] += 1
+            return
+        plan = _plan(self.target, job.draft, self.tokenizer, job.prompt,
+                     **_defaults(job.options))
+        pc = self.pool.take(plan.ids)
+        pc.check_free()
+        pc.in_use = True
+        try:
+            pc.reuse(plan.ids)
+            kind = MODEL if plan.drafter.model is not None else plan.drafter
+            uid = decoder.insert(plan.ids, draft=kind, k=plan.k, max_tokens=plan.max_tokens,
+                                 sampling=plan.sampling, eos_token_ids=plan.eos,
+                                 logits_processors=plan.processors,
+                                 target_cache=pc.target_cache, draft_cache=pc.draft_cache,
+                                 logprobs=job.logprobs is not None, keep_caches=True)
+        except Exception:
+            pc.in_use = False
+            raise
+        feed: deque[Token] = deque()
+        self.live[uid] = _Live(job, plan, pc, feed,
+                               responses(_drain(feed), self.tokenizer, plan.stops, plan.eos),
+                               time.perf_counter())
+        job.deliver(Started())
+
+    def _hand(self, decoder: BatchDecoder, uid: int, tokens: list[Token]) -> None:
+        """A job's new tokens through its text layer (detokenizer, stop strings) to its client;
+        its end, or a failure of its own, takes it out of the batch."""
+        live = self.live[uid]
+        try:
+            live.feed.extend(tokens)
+            for _ in tokens:
+                response = next(live.text)
+                live.emitted.append(response.token)
+                live.stats = response.stats
+                live.job.deliver(_piece(response, live.job.logprobs))
+                if response.finish_reason is not None:
+                    self._leave(decoder, uid, Done(response.stats), "completed")
+                    return
+        except Exception as err:  # this job's failure: the others go on
+            log.error("a job failed during its generation", exc_info=err)
+            self._leave(decoder, uid, Failed(err), "failed")
+
+    def _leave(self, decoder: BatchDecoder, uid: int, event: Event, outcome: str,
+               pool: bool = True) -> None:
+        """Take a job out of the batch: its caches cut to what was emitted and back in the
+        pool (unless the batch itself failed), its last event delivered, counted."""
+        live = self.live.pop(uid)
+        pc = live.pc
+        try:
+            done = decoder.remove(uid, keep=len(live.emitted)) if pool else None
+            if done is not None and done.target_cache is not None:
+                pc.target_cache = done.target_cache
+                if done.draft_cache is not None:
+                    pc.draft_cache = done.draft_cache
+                held = cache_length(pc.target_cache)
+                pc.tokens = (live.plan.ids + live.emitted)[: held + 1]
+            else:
+                pool = False
+        except Exception as err:
+            self.errors += 1
+            log.error("taking a job out of the batch failed; its cache is dropped",
+                      exc_info=err)
+            pool = False
+        finally:
+            pc.in_use = False
+        if pool:
+            self.pool.put(pc)
+        if isinstance(event, Done) and event.stats is None:
+            event.stats = live.stats
+        _deliver(live.job, event)
+        self.counts[outcome] += 1
+        self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - live.start)
+
+
+@dataclass
+class _Live:
+    """A job in the batch: its checked plan, prompt cache, token feed and text layer."""
+
+    job: Job
+    plan: Any
+    pc: PromptCache
+    feed: deque
+    text: Any
+    start: float
+    emitted: list[int] = field(default_factory=list)
+    stats: GenerationStats | None = None
 
 
 def _deliver(job: Job, event: Event) -> None:
