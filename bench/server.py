@@ -1,4 +1,4 @@
-"""Time to first token and tokens/s through HTTP: our server (batching, `--max-batch 8`, and one
+"""Time to first token and tokens/s through HTTP: our server (batching, `--max-batch 16`, and one
 request at a time, `--max-batch 1`) vs `mlx_lm.server --draft-model` (which does not batch) and
 plain `mlx_lm.server` (no draft, batched), the same pair, prompts and k, 1/2/4/8/16 concurrent
 streaming clients, greedy and T=0.7.
@@ -7,16 +7,18 @@ streaming clients, greedy and T=0.7.
     python bench/server.py --target $S/1.5B --draft $S/0.5B --clients 1 2 --requests 1 \\
         --max-tokens 16 --name server_shapes
 
-Both servers run as subprocesses on 127.0.0.1 with the same weights (float32 copies: mlx_lm.server
-has no dtype flag and would run a float16 checkpoint in float16 on the CPU; the copies' configs
-carry the RoPE base at the top level, where mlx-lm reads it) and the same BLAS
-(LD_PRELOAD of MKL on Linux, for both). Each cell runs the two engines one after the other
-(alternating which goes first), each client sending --requests streaming completions in turn.
-TTFT: request sent -> first text chunk. Per-request decode speed: (tokens - 1) / (last chunk -
-first chunk). Throughput: all tokens / the cell's wall time. At T=0 every text is compared with
-plain greedy decoding of its prompt (the library, no draft, in this process): the same
-continuation, leading and trailing whitespace aside (`equal_to_plain_greedy`), and the same text
-exactly (`text_equal_to_plain_greedy`). Writes results/<name>.json and .png.
+All servers run as subprocesses on 127.0.0.1 with the same weights (float32 copies:
+mlx_lm.server has no dtype flag and would run a float16 checkpoint in float16 on the CPU; the
+copies' configs carry the RoPE base at the top level, where mlx-lm reads it) and the same BLAS
+(LD_PRELOAD of MKL on Linux, for all). Each cell runs the engines one after the other
+(alternating the order), each client sending --requests streaming completions in turn. A
+connection dropped before any answer is retried (counted in `dropped_connections`; the TTFT
+then includes the retry). TTFT: request sent -> first text chunk. Per-request decode speed:
+(tokens - 1) / (last chunk - first chunk). Throughput: all tokens / the cell's wall time. At
+T=0 every text is compared with plain greedy decoding of its prompt (the library, no draft, in
+this process): the same continuation, leading and trailing whitespace aside
+(`equal_to_plain_greedy`), and the same text exactly (`text_equal_to_plain_greedy`). Writes
+results/<name>.json and .png.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tinydraft_mlx.loading import DEMO_DIR, _rope_overrides
 
 PROMPTS = ["def parse_args(", "class Config:", "import os\nimport sys\n", "for i in range(",
            "def main():\n", "if __name__ == ", "with open(", "    return "]
+RETRIES = 3  # a request whose connection is dropped before any answer is sent again
 ENGINES = ("tinydraft-mlx", "tinydraft-mlx --max-batch 1", "mlx_lm.server",
            "mlx_lm.server, no draft")
 
@@ -87,7 +90,7 @@ def start(engine: str, target: Path, draft: Path, k: int, env: dict) -> tuple:
         cmd = [sys.executable, "-m", "tinydraft_mlx.server", "--target", str(target), "--draft",
                str(draft), "-k", str(k), "--port", str(port), "--log-level", "warning",
                "--max-queue", "64", "--dtype", "float32",
-               "--max-batch", "1" if engine.endswith("--max-batch 1") else "8"]
+               "--max-batch", "1" if engine.endswith("--max-batch 1") else "16"]
     elif engine == "mlx_lm.server":
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(target), "--draft-model",
                str(draft), "--num-draft-tokens", str(k), "--port", str(port), "--log-level",
@@ -137,13 +140,22 @@ async def request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
 
 async def cell(url: str, model: str, clients: int, args: argparse.Namespace,
                temperature: float) -> dict:
+    dropped = [0]
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(i: int) -> list[dict]:
             out = []
             for j in range(args.requests):
                 prompt = PROMPTS[(i + j) % len(PROMPTS)]
-                out.append({"prompt": prompt, **await request(client, url, model, prompt, args,
-                                                              temperature)})
+                for attempt in range(RETRIES + 1):
+                    try:
+                        result = await request(client, url, model, prompt, args, temperature)
+                        break
+                    except httpx.TransportError:  # a dropped connection (mlx_lm.server's
+                        if attempt == RETRIES:    # listen backlog at 16 clients): again
+                            raise
+                        dropped[0] += 1
+                        await asyncio.sleep(0.05)
+                out.append({"prompt": prompt, **result})
             return out
 
         start = time.perf_counter()
@@ -151,7 +163,7 @@ async def cell(url: str, model: str, clients: int, args: argparse.Namespace,
                    for r in rs]
         wall = time.perf_counter() - start
     tps = [r["decode_tps"] for r in results if r["decode_tps"]]
-    return {"requests": results, "wall_s": wall,
+    return {"requests": results, "wall_s": wall, "dropped_connections": dropped[0],
             "ttft_median_s": statistics.median(r["ttft_s"] for r in results),
             "ttft_max_s": max(r["ttft_s"] for r in results),
             "decode_tps_median": statistics.median(tps) if tps else None,

@@ -62,7 +62,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
-DEFAULT_BATCH = 8  # --max-batch: measured with bench/server.py (README)
+DEFAULT_BATCH = 16  # --max-batch: measured with bench/server.py (README)
 MAX_BATCH = 256
 
 log = logging.getLogger("tinydraft_mlx.server")

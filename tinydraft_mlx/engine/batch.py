@@ -63,7 +63,14 @@ from .policy import (
     shared_policy,
 )
 from .rejection import speculative_accept, speculative_accept_rows
-from .sampling import ParameterError, Processor, SamplingParams, process_logits, warp
+from .sampling import (
+    ParameterError,
+    Processor,
+    SamplingParams,
+    process_logits,
+    sample_rows,
+    warp,
+)
 from .speculative import Token
 from .stats import GenerationStats
 
@@ -523,9 +530,8 @@ class BatchDecoder:
                     else:
                         picks.append(mx.argmax(row_logits, axis=-1))
                 if shared:  # unseeded rows: one draw for all of them
-                    drawn = mx.random.categorical(
-                        mx.log(mx.stack([qs[id(rows[j])][-1] for j in shared])),
-                        key=self._shared_key())
+                    drawn = sample_rows(mx.stack([qs[id(rows[j])][-1] for j in shared]),
+                                        self._shared_key())
                     for g, j in enumerate(shared):
                         picks[j] = drawn[g]
                 token = mx.stack(picks).astype(mx.int32)
@@ -582,7 +588,7 @@ class BatchDecoder:
         for members in _regimes(rows, _scaled_draw).values():
             scaled = logits[mx.array(members), 0].astype(mx.float32) / rows[
                 members[0]].sampling.temperature
-            tokens = mx.random.categorical(scaled, key=self._shared_key()).astype(mx.int32)
+            tokens = sample_rows(mx.softmax(scaled, axis=-1), self._shared_key())
             for i, j in enumerate(members):
                 results[j] = tokens[i : i + 1]
         warped: dict[int, mx.array] = {}  # row -> its warped p (other sampled rows)
@@ -619,8 +625,8 @@ class BatchDecoder:
                                               self._drafts(row)[None], row.keys[1])
                 results[j] = mx.concatenate([n, token])
         if plain_shared:
-            logs = mx.log(mx.concatenate([warped[j][:, 0] for j in plain_shared]))
-            tokens = mx.random.categorical(logs, key=self._shared_key()).astype(mx.int32)
+            tokens = sample_rows(mx.concatenate([warped[j][:, 0] for j in plain_shared]),
+                                 self._shared_key())
             for i, j in enumerate(plain_shared):
                 results[j] = tokens[i : i + 1]
         drafting = [j for j in warped if rows[j].round_k > 0]

@@ -43,6 +43,7 @@ LINEAR_BUFFER = 4096  # beyond this, buffers grow by this much instead of doubli
 _STATE = "_tinydraft_forward"  # per model: {kernel set name: _Compiled or False}
 _KERNELS = "_tinydraft_kernels"  # the name of the module set the model runs now
 PREFILL_STEP = 512
+COMPILED_POSITIONS = 8  # a batched forward of at most this many positions runs compiled
 
 
 def enabled() -> bool:
@@ -182,13 +183,15 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
 def forward_batch(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
     """`forward` for a `BatchCache` (batch_cache.py): (B, L) ids -> (B, L, V) logits, each row
     at its own offset; every row advances by L (the caller rolls rows back to their real
-    lengths). Compiled for a batch of one row where `forward` would be (unbounded rows), else
-    the eager forward: the compiled step attends over its whole fixed-size buffer, which costs
-    more than it saves once several rows share the forward (demo target, B = 8, 4 tokens:
-    compiled 19-22 ms, eager 15-19 ms; B = 32, 1 token: 21-26 vs 17-18 ms; B = 1: 6.5-8.8 vs
-    7.5-8.2 ms)."""
+    lengths). Compiled where `forward` would be (unbounded rows) for small forwards, at most
+    `COMPILED_POSITIONS` positions in all, else the eager forward: the compiled step attends
+    over its whole fixed-size buffer, which costs more than it saves once many positions share
+    the forward. Demo target, ms, compiled vs eager: B = 2 x 1 token 4.0-5.1 vs 4.8-5.4, 2 x 4
+    9.6 vs 10.0-11.1, 4 x 1 8.2 vs 9.7-10.1, 8 x 1 12.3-12.7 vs 11.5-12.1, 8 x 4 19.4-19.7 vs
+    16.3-19.6; B = 32 x 1: 21-26 vs 17-18."""
     n = tokens.shape[1]
-    state = _compiled(model) if enabled() and tokens.shape[0] == 1 else None
+    small = tokens.shape[0] * n <= COMPILED_POSITIONS
+    state = _compiled(model) if enabled() and small else None
     if state is None or cache.bounded or cache.layers[0].keys is None:
         cache.reserve(n)
         logits = model(tokens, cache=cache.layers)

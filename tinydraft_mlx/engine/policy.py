@@ -251,11 +251,20 @@ def batch_costs(target: object, draft: object, rows: int, draft_ratio: float) ->
     a `DraftLengthPolicy` whose own acceptance is unused (`choose_for_batch` takes the rows')."""
     for key in [k for k, (ref, _) in _BATCH_COSTS.items() if ref() is None]:
         del _BATCH_COSTS[key]
-    key = (id(target), id(draft), batch_bucket(rows))
+    bucket = batch_bucket(rows)
+    key = (id(target), id(draft), bucket)
     held = _BATCH_COSTS.get(key)
     if held is None or held[0]() is not target:
-        held = _BATCH_COSTS[key] = (weakref.ref(target),
-                                    DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio))
+        policy = DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio)
+        near = [(abs(b.bit_length() - bucket.bit_length()), b) for (t, d, b), (ref, _) in
+                _BATCH_COSTS.items() if t == id(target) and d == id(draft) and ref() is target]
+        if near:  # start from the nearest batch size's costs, each worth one round: a batch
+            # whose size moves (requests joining and leaving) does not learn from nothing
+            # (plain first, then probes) at every size it passes through
+            source = _BATCH_COSTS[(id(target), id(draft), min(near)[1])][1]
+            policy.round_seconds.update(source.round_seconds)
+            policy.timed.update({k: 1 for k in source.round_seconds})
+        held = _BATCH_COSTS[key] = (weakref.ref(target), policy)
     return held[1]
 
 

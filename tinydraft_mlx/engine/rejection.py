@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .sampling import sample_rows
+
 
 def _pad_vocab(x: mx.array, width: int) -> mx.array:
     """Zero-pad the last axis to `width`: a distribution has no mass beyond its model's logits."""
@@ -123,10 +125,10 @@ def speculative_accept_rows(
     row = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]
     p_row = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
     row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
-    logs = mx.log(row)
     if isinstance(keys, mx.array):
-        token = mx.random.categorical(logs, key=sample_key)
+        token = sample_rows(row, sample_key)
     else:
+        logs = mx.log(row)
         token = mx.concatenate([mx.random.categorical(logs[b : b + 1], key=split[b][1])
                                 for b in range(batch)])
     return n, token.astype(mx.int32)
