@@ -173,9 +173,10 @@ def test_a_disconnect_and_a_failure_mid_batch_leave_the_others_exact(batched, mo
 
 
 def test_a_long_prompt_joining_does_not_stall_the_running_streams(batched, models):
-    """A ~3.5k-token prompt joins while a stream runs: its prefill is chunked between rounds, so
-    the running stream's longest gap between chunks stays far below the whole prefill's time,
-    and both requests are exact."""
+    """A 3.9k-token prompt joins while a stream runs: its prefill is chunked between rounds
+    (`worker.JOIN_PREFILL_STEP` tokens), so the running stream's longest gap between chunks stays
+    below 0.5 s and a fifth of the long request's time alone (~4 s here), and both requests are
+    exact."""
     target, draft, tokenizer = models
     batched.wait_idle()
     long_prompt = "def f(x):\n    return x + 1\n" * 300  # within the demo's 4096 positions
@@ -214,4 +215,4 @@ def test_a_long_prompt_joining_does_not_stall_the_running_streams(batched, model
 
     (text, gap), long_text = asyncio.run(run())
     assert text == expected and long_text == expected_long
-    assert gap < max(0.25, whole_prefill / 2), (gap, whole_prefill)
+    assert gap < 0.5 and gap < whole_prefill / 5, (gap, whole_prefill)  # 512-token chunks: 0.75
