@@ -62,26 +62,39 @@ def speculative_accept(
     Returns:
         n: (B,) accepted count; token: (B,) the token emitted after the accepted ones.
     """
-    batch, k1, _ = p.shape
-    k = k1 - 1
-    width = max(p.shape[-1], q.shape[-1])
-    p, q = _pad_vocab(p, width), _pad_vocab(q, width)
+    p, q = _same_width(p, q)
+    batch, k = draft_tokens.shape
     accept_key, sample_key = mx.random.split(key)
-    d = draft_tokens.astype(mx.int32)[..., None]  # (B, k, 1)
-    p_d = mx.take_along_axis(p[:, :k], d, axis=-1)[..., 0]  # (B, k)
-    q_d = mx.take_along_axis(q, d, axis=-1)[..., 0]  # (B, k)
     u = mx.random.uniform(shape=(batch, k), key=accept_key)
-    n = _leading_true(u * q_d < p_d)  # u < p/q without dividing by q
-
-    # (B, k+1, V): residual rows for a rejection at i < k, and p_k itself for the bonus row
-    q_ext = mx.concatenate([q, mx.zeros((batch, 1, width), dtype=q.dtype)], axis=1)
-    residual = mx.maximum(p - q_ext, 0.0)
-    row = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]  # (B, V)
-    p_row = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # (B, V)
-    # an all-zero residual means p_n == q_n, where rejection has probability 0: fall back to p_n
-    row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
+    n = _leading_true(_accepted(p, q, draft_tokens, u))
+    row = _emission_row(p, q, n)
     token = mx.random.categorical(mx.log(row), key=sample_key)
     return n, token.astype(mx.int32)
+
+
+def _same_width(p: mx.array, q: mx.array) -> tuple[mx.array, mx.array]:
+    width = max(p.shape[-1], q.shape[-1])
+    return _pad_vocab(p, width), _pad_vocab(q, width)
+
+
+def _accepted(p: mx.array, q: mx.array, draft_tokens: mx.array, u: mx.array) -> mx.array:
+    """(B, k) whether each draft passes its test u < p(d) / q(d) (without dividing by q)."""
+    d = draft_tokens.astype(mx.int32)[..., None]  # (B, k, 1)
+    p_d = mx.take_along_axis(p[:, : d.shape[1]], d, axis=-1)[..., 0]
+    q_d = mx.take_along_axis(q, d, axis=-1)[..., 0]
+    return u * q_d < p_d
+
+
+def _emission_row(p: mx.array, q: mx.array, n: mx.array) -> mx.array:
+    """(B, V) what each row emits after its n accepted drafts: the residual max(0, p_n - q_n)
+    after a rejection, p_k itself for the bonus (q is zero there)."""
+    batch, width = p.shape[0], p.shape[-1]
+    q_ext = mx.concatenate([q, mx.zeros((batch, 1, width), dtype=q.dtype)], axis=1)
+    residual = mx.maximum(p - q_ext, 0.0)
+    row = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]
+    p_row = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    # an all-zero residual means p_n == q_n, where rejection has probability 0: fall back to p_n
+    return mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
 
 
 def speculative_accept_rows(
@@ -102,10 +115,8 @@ def speculative_accept_rows(
     Returns:
         n: (B,) accepted counts; token: (B,) the token emitted after the accepted ones.
     """
-    batch, k1, _ = p.shape
-    k = k1 - 1
-    width = max(p.shape[-1], q.shape[-1])
-    p, q = _pad_vocab(p, width), _pad_vocab(q, width)
+    p, q = _same_width(p, q)
+    batch, k = draft_tokens.shape
     if isinstance(keys, mx.array):  # one key for the batch: rows drawn jointly
         accept_key, sample_key = mx.random.split(keys)
         u = mx.random.uniform(shape=(batch, k), key=accept_key)
@@ -115,16 +126,9 @@ def speculative_accept_rows(
                                    [(0, 0), (0, k - n)])
                             for s, n in zip(split, lengths)])  # (B, k); padding masked below
     drafted = mx.arange(k)[None] < mx.array(lengths)[:, None]
-    d = draft_tokens.astype(mx.int32)[..., None]
-    p_d = mx.take_along_axis(p[:, :k], d, axis=-1)[..., 0]
-    q_d = mx.take_along_axis(q, d, axis=-1)[..., 0]
-    n = _leading_true((u * q_d < p_d) & drafted)
+    n = _leading_true(_accepted(p, q, draft_tokens, u) & drafted)
     # q beyond a row's drafts is zero (padding), so its bonus row's residual is p itself
-    q_ext = mx.concatenate([q * drafted[..., None], mx.zeros((batch, 1, width), q.dtype)], axis=1)
-    residual = mx.maximum(p - q_ext, 0.0)
-    row = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]
-    p_row = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
-    row = mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
+    row = _emission_row(p, q * drafted[..., None], n)
     if isinstance(keys, mx.array):
         token = sample_rows(row, sample_key)
     else:
