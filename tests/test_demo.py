@@ -103,3 +103,48 @@ def test_mlx_lms_own_loader_reads_the_demo_pair_as_ours_does(demo, name):
     x = mx.array([list(range(5, 200, 3))])
     diff = mx.abs(theirs(x) - ours(x)).max().item()
     assert diff < 1e-4, diff
+
+
+CHATML_TURN = "<|im_start|>user\nWrite a loop.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_demo_tokenizer_chats_offline_in_chatml(demo):
+    """The bundled pair ships a ChatML template (Qwen2.5's format): chat messages work as
+    written in the README, and the prompt is the ChatML text the template should give."""
+    from tinydraft_mlx.text import chat_text
+
+    target, draft, tok = demo
+    messages = [{"role": "user", "content": "Write a loop."}]
+    assert chat_text(tok, messages) == CHATML_TURN
+    ids, _ = generate(target, draft, tok, messages, max_tokens=12)
+    assert ids == generate(target, draft, tok, tok.encode(CHATML_TURN), max_tokens=12)[0]
+
+
+def test_chat_template_argument_and_flag(pair, checkpoints, capsys, tmp_path):
+    """A tokenizer without a template (the fixture's): `chat_template=` in the API and
+    `--chat-template` (text or a file) in the CLI apply one; misuse is a ParameterError."""
+    from tinydraft_mlx import ParameterError
+    from tinydraft_mlx.cli import main
+
+    target, draft, tok = pair
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>"
+    messages = [{"role": "user", "content": "def f(x):"}]
+    ids, _ = generate(target, draft, tok, messages, chat_template=template, max_tokens=8)
+    assert ids == generate(target, draft, tok, "[user] def f(x):\n>", max_tokens=8)[0]
+    with pytest.raises(ParameterError, match="chat_template must be given only with chat"):
+        generate(target, draft, tok, "def f(x):", chat_template=template, max_tokens=2)
+    with pytest.raises(ParameterError, match="chat_template must be a non-empty Jinja"):
+        generate(target, draft, tok, messages, chat_template=3, max_tokens=2)
+    with pytest.raises(ValueError, match="pass chat_template="):
+        generate(target, draft, tok, messages, max_tokens=2)
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    base = ["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+            "--max-tokens", "8"]
+    outs = []
+    for args in (["--prompt", "def f(x):", "--chat-template", template],
+                 ["--prompt", "def f(x):", "--chat-template", str(path)],
+                 ["--prompt", "[user] def f(x):\n>"]):  # the text the template gives
+        assert main(base + args) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] and outs[0].strip()

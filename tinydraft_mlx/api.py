@@ -131,6 +131,7 @@ def stream_generate(
     stop: str | Sequence[str] | None = None,
     prompt_cache: PromptCache | None = None,
     prompt_progress_callback: Progress | None = None,
+    chat_template: str | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `target`, drafting with `draft`, yielding a `GenerationResponse` per token as
     rounds are accepted (mlx-lm's fields: text, token, logprobs, from_draft, finish_reason,
@@ -139,9 +140,10 @@ def stream_generate(
     draft: a model; "prompt-lookup" or a `PromptLookup` to copy n-gram continuations from prompt
     + output; None or "none": plain decoding. prompt: a string, token ids, or chat messages
     ([{"role", "content"}, ...], through the tokenizer's chat template with the generation
-    prompt). Generation ends after `max_tokens` tokens, at an EOS token or at the first of the
-    `stop` strings (finish_reason "stop"; the text never contains the stop string nor anything
-    after it, and the caches keep exactly prompt + the tokens emitted).
+    prompt; `chat_template`, a Jinja template, instead of the tokenizer's). Generation ends
+    after `max_tokens` tokens, at an EOS token or at the first of the `stop` strings
+    (finish_reason "stop"; the text never contains the stop string nor anything after it, and
+    the caches keep exactly prompt + the tokens emitted).
 
     Exactness: sampled output is distributed exactly as plain sampling from `target` with the
     same processors and warp. Greedy output (temperature 0) is plain greedy decoding's, up to the
@@ -180,7 +182,7 @@ def stream_generate(
                  frequency_penalty=frequency_penalty,
                  frequency_context_size=frequency_context_size, logit_bias=logit_bias,
                  stop=stop, prompt_cache=prompt_cache,
-                 prompt_progress_callback=prompt_progress_callback)
+                 prompt_progress_callback=prompt_progress_callback, chat_template=chat_template)
     prompt_cache = plan.prompt_cache
     if prompt_cache is not None:
         caches = None
@@ -225,7 +227,8 @@ def _plan(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, *, k: int 
           presence_context_size: int, frequency_penalty: float | None,
           frequency_context_size: int, logit_bias: dict[int, float] | None,
           stop: str | Sequence[str] | None, prompt_cache: PromptCache | None,
-          prompt_progress_callback: Progress | None = None) -> Plan:
+          prompt_progress_callback: Progress | None = None,
+          chat_template: str | None = None) -> Plan:
     """Check every argument of one generation (the one place they are checked: `stream_generate`,
     `generate` and `batch_generate` all plan through it); ParameterError / PromptCacheError
     naming the parameter, the allowed range and the value received."""
@@ -245,7 +248,7 @@ def _plan(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, *, k: int 
     if prompt_progress_callback is not None and not callable(prompt_progress_callback):
         raise ParameterError("prompt_progress_callback", "a callable f(processed, total)",
                              prompt_progress_callback)
-    ids = prompt_ids(tokenizer, prompt, width)
+    ids = prompt_ids(tokenizer, prompt, width, chat_template)
     k_eff = max_draft_length(drafter, k)
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):

@@ -99,7 +99,7 @@ _DEFAULTS = dict(k=4, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p
                  max_kv_size=None, logits_processors=None, repetition_penalty=None,
                  repetition_context_size=20, presence_penalty=None, presence_context_size=20,
                  frequency_penalty=None, frequency_context_size=20, logit_bias=None, stop=None,
-                 prompt_cache=None)
+                 prompt_cache=None, chat_template=None)
 
 
 def _defaults(settings: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from .engine.pruning import VocabError
 from .engine.sampling import ParameterError, SamplingParams, check_int
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
 from .prompt_cache import PromptCache, PromptCacheError
-from .text import chat_ids, check_stop
+from .text import chat_ids, check_stop, read_template
 
 # API parameter name -> the flag that sets it, so errors name what the user typed
 FLAGS = {
@@ -78,6 +78,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="token counts for --draft-vocab (python -m tinydraft_mlx.vocab; default: "
                         "the demo pair's)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template (text, or a file) to apply instead (implies "
+                        "--chat)")
     p.add_argument("--stop", action="append", default=None,
                    help="stop at this string (not printed); repeat for several")
     p.add_argument("--prompt-cache-file", default=None, metavar="PATH",
@@ -132,12 +135,16 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
     return sampling
 
 
-def _prompt(tokenizer, text: str, chat: bool) -> str | list[int]:
-    if not chat:
+def _prompt(tokenizer, text: str, chat: bool, template: str | None = None) -> str | list[int]:
+    """The prompt as typed, or (--chat, --chat-template) as one user message through the chat
+    template (--chat-template's, else the tokenizer's)."""
+    if not chat and template is None:
         return text
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("--chat: this tokenizer has no chat template")
-    return chat_ids(tokenizer, [{"role": "user", "content": text}])
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("--chat: this tokenizer has no chat template (give one with "
+                         "--chat-template)")
+    return chat_ids(tokenizer, [{"role": "user", "content": text}],
+                    None if template is None else read_template(template))
 
 
 def _load_prompt_cache(path: str | None, target, draft, max_kv_size) -> PromptCache | None:
@@ -186,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                                                draft_vocab_counts=args.draft_vocab_counts,
                                                distributed=args.distributed)
         prompt_cache = _load_prompt_cache(args.prompt_cache_file, target, draft, args.max_kv_size)
+        prompt = _prompt(tokenizer, text, args.chat, args.chat_template)
         steps = stream_generate(
-            target, draft, tokenizer, _prompt(tokenizer, text, args.chat), k=args.k,
+            target, draft, tokenizer, prompt, k=args.k,
             max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, seed=args.seed,
             max_kv_size=None if prompt_cache is not None else args.max_kv_size, stop=args.stop,

@@ -53,7 +53,7 @@ from .engine.forward import vocab_width
 from .engine.lookup import NO_DRAFT, PROMPT_LOOKUP
 from .engine.sampling import ParameterError, SamplingParams, check_int
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
-from .text import chat_text, check_stop, prompt_ids
+from .text import chat_text, check_stop, prompt_ids, read_template
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
 DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, or none
@@ -780,7 +780,6 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def build_app(args: argparse.Namespace) -> FastAPI:
     """Load the models named by the flags and make the app (ModelLoadError, ValueError)."""
-    from pathlib import Path
 
     from .loading import load_models
 
@@ -788,9 +787,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                                            draft_vocab=args.draft_vocab,
                                            draft_vocab_counts=args.draft_vocab_counts)
     if args.chat_template is not None:
-        path = Path(args.chat_template)
-        tokenizer.chat_template = (path.read_text() if path.is_file()
-                                   else args.chat_template)
+        tokenizer.chat_template = read_template(args.chat_template)
     drafter = resolve_drafter(draft)
     model, default_draft = drafter.model, drafter.name
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,

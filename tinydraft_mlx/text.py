@@ -101,15 +101,19 @@ class StopStrings:
 
 
 def prompt_ids(tokenizer: Any, prompt: str | Sequence[int] | Messages,
-               vocab_size: int | None = None) -> list[int]:
+               vocab_size: int | None = None, chat_template: str | None = None) -> list[int]:
     """Token ids for `prompt`: a string (encoded), token ids (checked), or chat messages
-    ([{"role": ..., "content": ...}, ...], through the tokenizer's chat template with the
-    generation prompt). ParameterError for anything else or an empty prompt."""
+    ([{"role": ..., "content": ...}, ...], through `chat_template` or else the tokenizer's chat
+    template, with the generation prompt). ParameterError for anything else, an empty prompt,
+    or a chat template given with a prompt that is not messages."""
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+        raise ParameterError("chat_template", "a non-empty Jinja template string",
+                             chat_template)
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt)) if prompt else []
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
                                                               for m in prompt):
-        ids = chat_ids(tokenizer, prompt)
+        ids = chat_ids(tokenizer, prompt, chat_template)
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
         for t in ids:
@@ -123,23 +127,39 @@ def prompt_ids(tokenizer: Any, prompt: str | Sequence[int] | Messages,
         raise ParameterError("prompt", allowed, type(prompt).__name__)
     if not ids:
         raise ParameterError("prompt", "at least one token", prompt)
+    if chat_template is not None and not (isinstance(prompt, (list, tuple)) and prompt
+                                          and all(isinstance(m, dict) for m in prompt)):
+        raise ParameterError("chat_template", "given only with chat messages as the prompt",
+                             type(prompt).__name__)
     return ids
 
 
-def chat_text(tokenizer: Any, messages: Messages) -> str:
-    """The tokenizer's chat template applied to `messages`, with the generation prompt."""
+def chat_text(tokenizer: Any, messages: Messages, chat_template: str | None = None) -> str:
+    """`chat_template` (else the tokenizer's) applied to `messages`, with the generation
+    prompt."""
     for m in messages:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ParameterError("messages", 'dicts with string "role" and "content"', m)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("chat messages need a chat template; this tokenizer has none")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat messages need a chat template; this tokenizer has none (pass "
+                         "chat_template=, or --chat-template on the command line)")
+    extra = {} if chat_template is None else {"chat_template": chat_template}
     return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, **extra)
 
 
-def chat_ids(tokenizer: Any, messages: Messages) -> list[int]:
-    """Apply the tokenizer's chat template (with the generation prompt) and encode."""
-    return list(tokenizer.encode(chat_text(tokenizer, messages), add_special_tokens=False))
+def read_template(value: str) -> str:
+    """A chat template given on a command line: the text of the file it names, else itself."""
+    from pathlib import Path
+
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
+
+
+def chat_ids(tokenizer: Any, messages: Messages, chat_template: str | None = None) -> list[int]:
+    """Apply the chat template (with the generation prompt) and encode."""
+    text = chat_text(tokenizer, messages, chat_template)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def responses(
