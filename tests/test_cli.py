@@ -197,3 +197,15 @@ def test_make_demo_passes_the_prompt_as_typed(tmp_path):
     assert result.returncode == 0, result.stderr
     args = result.stdout.splitlines()
     assert args[:4] == ["[-m]", "[tinydraft_mlx.generate]", "[--prompt]", f"[{prompt}]"]
+
+
+def test_no_known_draft_is_said_in_one_line(checkpoints, capsys):
+    """A target with no known draft (the fixture: not Qwen2.5-named, no sibling draft) decodes
+    plainly and says so, with how to pass one; naming --draft none is not told."""
+    base = ["--target", str(checkpoints["target"]), "--prompt", "x", "--max-tokens", "3"]
+    assert main(base) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "no draft model is known" in line]
+    assert len(lines) == 1 and "--draft" in lines[0] and str(checkpoints["target"]) in lines[0]
+    assert main(base + ["--draft", "none"]) == 0
+    assert "no draft model is known" not in capsys.readouterr().err

@@ -148,3 +148,17 @@ def test_default_draft_for_a_local_directory(tmp_path, monkeypatch):
     (tmp_path / "models" / "Qwen2.5-0.5B-Instruct").mkdir()
     assert default_draft("models/Qwen2.5-7B-Instruct") == "models/Qwen2.5-0.5B-Instruct"
     assert default_draft("models/Qwen2.5-0.5B-Instruct") is None
+
+
+def test_the_demo_targets_directory_gets_the_demo_draft(tmp_path, monkeypatch):
+    """Naming the bundled demo target by its directory (absolute, or relative) picks the demo
+    draft, as loading it by default does; another directory gets none."""
+    import os
+
+    from tinydraft_mlx.loading import DEMO_DIR, default_draft
+
+    assert default_draft(None) == str(DEMO_DIR / "draft")
+    assert default_draft(str(DEMO_DIR / "target")) == str(DEMO_DIR / "draft")
+    monkeypatch.chdir(DEMO_DIR)
+    assert default_draft(os.path.join(".", "target")) == str(DEMO_DIR / "draft")
+    assert default_draft(str(tmp_path)) is None

@@ -21,7 +21,7 @@ from .engine.distributed import DesyncError, ranks_of
 from .engine.forward import PREFILL_STEP
 from .engine.pruning import VocabError
 from .engine.sampling import ParameterError, SamplingParams, check_int
-from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models
+from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models, no_draft_notice
 from .prompt_cache import PromptCache, PromptCacheError
 from .text import chat_ids, check_stop, read_template
 
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         _fail(parser, str(err))
     ranks = ranks_of(target)
     quiet = ranks is not None and ranks.rank != 0  # only rank 0 prints
+    if args.draft is None and draft is None and not quiet:
+        print(no_draft_notice(args.target), file=sys.stderr)
     if args.verbose and not quiet:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT
         where = f"; {ranks.size} ranks" if ranks is not None else ""

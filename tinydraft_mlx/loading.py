@@ -143,12 +143,13 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
 
 
 def default_draft(target: str | Path | None) -> str | None:
-    """The draft to use when none is named: the bundled demo draft for the demo target; for a
+    """The draft to use when none is named: the bundled demo draft for the demo target (None, or
+    its directory); for a
     Qwen2.5 hub id, the Qwen2.5-0.5B of the same publisher, family and suffix; for a local
     Qwen2.5 directory, that 0.5B name as a sibling directory if one exists; else None."""
-    if target is None:
-        return str(DEMO_DIR / "draft")
-    local = Path(target).expanduser()
+    local = Path(target).expanduser() if target is not None else None
+    if local is None or (local.exists() and local.resolve() == (DEMO_DIR / "target").resolve()):
+        return str(DEMO_DIR / "draft")  # the demo target, by default or by its directory
     m = _QWEN25.match(str(target) if not local.exists() else f"local/{local.name}")
     if m is None or m["size"] == "0.5":
         return None
@@ -157,6 +158,14 @@ def default_draft(target: str | Path | None) -> str | None:
         return f"{m['org']}/{name}"
     sibling = local.parent / name
     return str(sibling) if sibling.is_dir() else None
+
+
+def no_draft_notice(target: str | Path | None) -> str:
+    """The line to show when no draft was named and none is known for `target`: generation
+    will decode plainly, and how to pass one."""
+    return (f"no draft model is known for {target}: decoding plainly (no speculation); pass a "
+            "draft of the same family and tokenizer (e.g. Qwen2.5-0.5B for a Qwen2.5 target) with "
+            "--draft, or --draft prompt-lookup")
 
 
 def load_models(

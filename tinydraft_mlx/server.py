@@ -781,11 +781,13 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def build_app(args: argparse.Namespace) -> FastAPI:
     """Load the models named by the flags and make the app (ModelLoadError, ValueError)."""
 
-    from .loading import load_models
+    from .loading import load_models, no_draft_notice
 
     target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype,
                                            draft_vocab=args.draft_vocab,
                                            draft_vocab_counts=args.draft_vocab_counts)
+    if args.draft is None and draft is None:
+        print(no_draft_notice(args.target), file=sys.stderr)
     if args.chat_template is not None:
         tokenizer.chat_template = read_template(args.chat_template)
     drafter = resolve_drafter(draft)
