@@ -8,6 +8,7 @@ hits a stop string leaves the batch at once, its caches cut to the tokens emitte
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
@@ -15,14 +16,14 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .api import Plan, _plan
+from .api import Plan, _plan, stream_generate
 from .engine.batch import BatchDecoder
 from .engine.cache import cache_length
 from .engine.lookup import PromptLookup
 from .engine.sampling import ParameterError
 from .engine.speculative import Token
 from .engine.stats import GenerationStats
-from .prompt_cache import MARGIN
+from .prompt_cache import MARGIN, PromptCache
 from .text import Messages, responses
 
 PER_PROMPT = ("max_tokens", "stop", "seed", "prompt_cache")  # may be one per prompt
@@ -95,11 +96,10 @@ def _settings(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
     return out
 
 
-_DEFAULTS = dict(k=4, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
-                 max_kv_size=None, logits_processors=None, repetition_penalty=None,
-                 repetition_context_size=20, presence_penalty=None, presence_context_size=20,
-                 frequency_penalty=None, frequency_context_size=20, logit_bias=None, stop=None,
-                 prompt_cache=None, chat_template=None)
+# generate's keyword arguments and their defaults, read from `stream_generate` itself (the one
+# place they are written)
+_DEFAULTS = {name: p.default for name, p in inspect.signature(stream_generate).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "prompt_progress_callback"}
 
 
 def _defaults(settings: dict[str, Any]) -> dict[str, Any]:
@@ -156,13 +156,19 @@ def _drain(feed: deque[Token]) -> Iterator[Token]:
 
 
 def _store(plan: Plan, done: Any, emitted: list[int]) -> None:
-    """A prompt cache records what its sequence's caches hold afterwards."""
-    cache = plan.prompt_cache
-    if cache is None or done is None:
-        return
-    if done.target_cache is not None:
-        cache.target_cache = done.target_cache
-        if done.draft_cache is not None:
-            cache.draft_cache = done.draft_cache
+    if plan.prompt_cache is not None:
+        record_caches(plan.prompt_cache, done, plan.ids, emitted)
+
+
+def record_caches(cache: PromptCache, done: Any, ids: list[int], emitted: list[int]) -> bool:
+    """Make a prompt cache hold what its sequence's caches hold after leaving a batch (`done`, a
+    `Finished` with caches): prompt `ids` + the `emitted` tokens. False, and the cache left
+    as it was, when there is nothing to record."""
+    if done is None or done.target_cache is None:
+        return False
+    cache.target_cache = done.target_cache
+    if done.draft_cache is not None:
+        cache.draft_cache = done.draft_cache
     held = cache_length(cache.target_cache)
-    cache.tokens = (plan.ids + emitted)[: held + 1]
+    cache.tokens = (ids + emitted)[: held + 1]
+    return True

@@ -33,10 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .api import _plan, stream_generate
-from .batching import _defaults, _drain
+from .batching import _defaults, _drain, record_caches
 from .cache_pool import PromptCachePool
 from .engine.batch import BatchDecoder
-from .engine.cache import cache_length
 from .engine.drafters import MODEL
 from .engine.speculative import Token
 from .engine.stats import GenerationStats
@@ -357,14 +356,7 @@ class Worker:
         pc = live.pc
         try:
             done = decoder.remove(uid, keep=len(live.emitted)) if pool else None
-            if done is not None and done.target_cache is not None:
-                pc.target_cache = done.target_cache
-                if done.draft_cache is not None:
-                    pc.draft_cache = done.draft_cache
-                held = cache_length(pc.target_cache)
-                pc.tokens = (live.plan.ids + live.emitted)[: held + 1]
-            else:
-                pool = False
+            pool = record_caches(pc, done, live.plan.ids, live.emitted)
         except Exception as err:
             self.errors += 1
             log.error("taking a job out of the batch failed; its cache is dropped",

@@ -132,6 +132,13 @@ class _Row:
         return keys
 
 
+def _rollback_pair(target_cache: Cache | None, draft_cache: Cache | None, keep: int) -> None:
+    """A sequence's one-sequence caches forget everything after `keep` tokens."""
+    for cache in (target_cache, draft_cache):
+        if cache is not None:
+            rollback(cache, keep)
+
+
 def _scaled_draw(row: _Row) -> bool:
     """A plain step that may be drawn from logits / T with a shared key: unseeded (a seeded
     row draws exactly as `decode` would), no processors, no filter (top-k, top-p, min-p)."""
@@ -247,10 +254,8 @@ class BatchDecoder:
             done = self.finished.pop(uid)
             if keep is not None and keep < len(done.tokens):
                 done.tokens = done.tokens[:keep]
-                held = done.stats.prompt_tokens + keep - 1
-                for cache in (done.target_cache, done.draft_cache):
-                    if cache is not None:
-                        rollback(cache, held)
+                _rollback_pair(done.target_cache, done.draft_cache,
+                               done.stats.prompt_tokens + keep - 1)
             return done
         for i, row in enumerate(self.pending):
             if row.uid == uid:
@@ -268,10 +273,7 @@ class BatchDecoder:
     def _solo_caches(self, row: _Row) -> tuple[Cache | None, Cache | None]:
         if not row.keep_caches:
             return None, None
-        held = len(row.seq) - 1
-        for cache in (row.target_cache, row.draft_cache):
-            if cache is not None:
-                rollback(cache, held)
+        _rollback_pair(row.target_cache, row.draft_cache, len(row.seq) - 1)
         return row.target_cache, row.draft_cache
 
     def _leave(self, rows: list[_Row]) -> dict[int, Finished]:
