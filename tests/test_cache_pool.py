@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 
 from tinydraft_mlx import PromptCache, generate
-from tinydraft_mlx.cache_pool import PromptCachePool, common_prefix
 from tinydraft_mlx.engine.cache import cache_length
+from tinydraft_mlx.serving.cache_pool import PromptCachePool, common_prefix
 
 
 class Fake:

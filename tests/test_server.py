@@ -24,9 +24,10 @@ import openai
 import pytest
 import uvicorn
 
-from tinydraft_mlx import limits, load_models, stream_generate
+from tinydraft_mlx import load_models, stream_generate
 from tinydraft_mlx.server import Defaults, create_app
-from tinydraft_mlx.worker import Worker
+from tinydraft_mlx.serving import limits
+from tinydraft_mlx.serving.worker import Worker
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -412,7 +413,11 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", "image_url"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function",
+     "Field required"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools", "does not render tools"),  # this module's template has no place for them
+    (CHAT, {"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "(got 21)"),
     # values that overflowed float32 into NaN distributions (every token id 4095, status 200)

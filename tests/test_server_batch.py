@@ -20,7 +20,7 @@ import pytest
 from tests.test_server import PROMPTS, TEMPLATE, Served
 from tinydraft_mlx import load_models, stream_generate
 from tinydraft_mlx.server import Defaults, create_app
-from tinydraft_mlx.worker import Worker
+from tinydraft_mlx.serving.worker import Worker
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_a_disconnect_and_a_failure_mid_batch_leave_the_others_exact(batched, mo
     """Among 6 streaming requests: one client hangs up after 4 chunks, one request's text layer
     fails at its 5th token (an error event after its first chunks). Both leave the batch within
     a round; the other 4 finish exact; the server goes on."""
-    import tinydraft_mlx.worker as worker_module
+    import tinydraft_mlx.serving.worker as worker_module
 
     batched.wait_idle()
     health = batched.health()

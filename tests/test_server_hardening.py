@@ -3,7 +3,7 @@ text that is not Unicode, clients that hang up, huge prompts, half-open connecti
 Each test failed on the server as it was before its fix (see the hardening issue's list).
 
 Servers run in this process on 127.0.0.1 (`Served`, with the real uvicorn settings from
-`tinydraft_mlx.limits`); every request loop is bounded.
+`tinydraft_mlx.serving.limits`); every request loop is bounded.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import pytest
 
 from tests.test_server import TEMPLATE, Served
 from tinydraft_mlx import load_models, stream_generate
-from tinydraft_mlx import worker as worker_module
-from tinydraft_mlx.limits import RepeatFilter
 from tinydraft_mlx.server import Defaults, create_app
-from tinydraft_mlx.worker import Worker
+from tinydraft_mlx.serving import worker as worker_module
+from tinydraft_mlx.serving.limits import RepeatFilter
+from tinydraft_mlx.serving.worker import Worker
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 

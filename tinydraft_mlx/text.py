@@ -32,6 +32,7 @@ class GenerationResponse:
     log-probabilities at this position, (vocab,), after logits processors and before the
     temperature and truncation (mlx-lm's definition). from_draft: an accepted draft proposal.
     finish_reason: None while running, then "stop" (EOS or a stop string) or "length".
+    stop_string: the stop string that ended generation (None otherwise).
     prompt_tokens / prompt_tps: prompt size and prefill speed (tokens reused from a prompt cache
     are counted in prompt_tokens but not prefilled). generation_tokens / generation_tps: tokens so
     far and their rate. peak_memory: GB. stats: the live `GenerationStats`.
@@ -48,6 +49,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None
     stats: GenerationStats
+    stop_string: str | None = None
 
 
 def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -72,6 +74,7 @@ class StopStrings:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self.pending = ""
+        self.matched: str | None = None  # the stop string found
 
     def _held(self) -> int:
         """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
@@ -85,9 +88,10 @@ class StopStrings:
 
     def feed(self, segment: str) -> tuple[str, bool]:
         self.pending += segment
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            text, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            text, self.pending = self.pending[:at], ""
             return text, True
         keep = self._held()
         cut = len(self.pending) - keep
@@ -134,16 +138,19 @@ def prompt_ids(tokenizer: Any, prompt: str | Sequence[int] | Messages,
     return ids
 
 
-def chat_text(tokenizer: Any, messages: Messages, chat_template: str | None = None) -> str:
+def chat_text(tokenizer: Any, messages: Messages, chat_template: str | None = None,
+              tools: Sequence[dict[str, Any]] | None = None) -> str:
     """`chat_template` (else the tokenizer's) applied to `messages`, with the generation
-    prompt."""
+    prompt; `tools` (function specs, OpenAI's shape) are rendered as the template does."""
     for m in messages:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ParameterError("messages", 'dicts with string "role" and "content"', m)
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat messages need a chat template; this tokenizer has none (pass "
                          "chat_template=, or --chat-template on the command line)")
-    extra = {} if chat_template is None else {"chat_template": chat_template}
+    extra: dict[str, Any] = {} if chat_template is None else {"chat_template": chat_template}
+    if tools:
+        extra["tools"] = list(tools)
     return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                          tokenize=False, **extra)
 
@@ -195,7 +202,7 @@ def responses(
                 finish = stats.finish_reason = "stop"
             elif finish is not None:
                 text += stop.flush()
-            yield _response(token, text, n, finish)
+            yield _response(token, text, n, finish, stop.matched)
             if finish is not None:
                 return
     finally:
@@ -213,7 +220,8 @@ def _leading_space(tokenizer: Any, ids: list[int], segment: str) -> str:
     return " " + segment if decoded.startswith(" " + segment) else segment
 
 
-def _response(token: Token, text: str, n: int, finish: str | None) -> GenerationResponse:
+def _response(token: Token, text: str, n: int, finish: str | None,
+              stop_string: str | None) -> GenerationResponse:
     stats = token.stats
     prefilled = stats.prompt_tokens - stats.cached_tokens
     return GenerationResponse(
@@ -228,4 +236,5 @@ def _response(token: Token, text: str, n: int, finish: str | None) -> Generation
         peak_memory=stats.peak_memory,
         finish_reason=finish,
         stats=stats,
+        stop_string=stop_string,
     )

@@ -32,15 +32,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .api import _plan, stream_generate
-from .batching import _defaults, _drain, record_caches
+from ..api import _plan, stream_generate
+from ..batching import _defaults, _drain, record_caches
+from ..engine.batch import BatchDecoder
+from ..engine.drafters import MODEL
+from ..engine.speculative import Token
+from ..engine.stats import GenerationStats
+from ..prompt_cache import MARGIN, PromptCache
+from ..text import GenerationResponse, responses
 from .cache_pool import PromptCachePool
-from .engine.batch import BatchDecoder
-from .engine.drafters import MODEL
-from .engine.speculative import Token
-from .engine.stats import GenerationStats
-from .prompt_cache import MARGIN, PromptCache
-from .text import GenerationResponse, responses
 
 log = logging.getLogger("tinydraft_mlx.worker")
 # prompt tokens a joining request prefills between two rounds of the running batch, which bounds
@@ -59,7 +59,8 @@ class Started:
 class Piece:
     """One generated token in plain Python values. logprob: the target's log-probability of
     `token`; top_logprobs: the n most likely (token id, log-probability), most likely first; both
-    None unless the job asked for logprobs."""
+    None unless the job asked for logprobs; stop_string: the stop string that ended the
+    generation at this token."""
 
     text: str
     token: int
@@ -67,6 +68,7 @@ class Piece:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    stop_string: str | None = None
 
 
 @dataclass
@@ -395,7 +397,8 @@ def _deliver(job: Job, event: Event) -> None:
 
 
 def _piece(response: GenerationResponse, logprobs: int | None) -> Piece:
-    piece = Piece(response.text, response.token, response.from_draft, response.finish_reason)
+    piece = Piece(response.text, response.token, response.from_draft, response.finish_reason,
+                  stop_string=response.stop_string)
     if logprobs is not None and response.logprobs is not None:
         row = response.logprobs.astype(mx.float32)  # (vocab,)
         piece.logprob = row[response.token].item()

@@ -1,5 +1,5 @@
 """OpenAI's wire format, as the server speaks it: pydantic request models, the error body, and the
-JSON of responses, stream chunks and usage.
+JSON of responses, stream chunks, tool calls and usage.
 
 Knows nothing about models or HTTP. Extensions beyond OpenAI's fields (documented in the README):
 requests take `num_draft_tokens` (int or "auto"), `draft` ("model", "prompt-lookup", "none"),
@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .engine.stats import GenerationStats
+from ..engine.stats import GenerationStats
+from ..tool_calls import ToolCall
 from .worker import Piece
 
 # -- requests ------------------------------------------------------------------------------------
@@ -74,10 +75,52 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message."""
+
+    model_config = _STRICT
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionSpec(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = _STRICT
+    type: str
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: str
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -87,8 +130,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -177,3 +221,12 @@ def chat_logprobs(tokenizer: Any, pieces: list[Piece]) -> dict[str, Any]:
 def draft_marks(pieces: list[Piece]) -> dict[str, list]:
     """The `tinydraft` extension of a choice: its token ids and which came from the draft."""
     return {"token_ids": [p.token for p in pieces], "from_draft": [p.from_draft for p in pieces]}
+
+
+def tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A parsed call as OpenAI's `tool_calls` entry (`index` in stream deltas)."""
+    out: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments_json}}
+    if index is not None:
+        out = {"index": index, **out}
+    return out

@@ -1,0 +1,547 @@
+"""What every HTTP API of the server shares: a request checked once, whichever API it came
+through, into the worker's job (`Spec` -> `Plan`), the started job's events as the API layers
+read them (`Generation`, which also feeds the metrics), the reply's text and tool calls
+(`Reply`), and `/health`.
+
+An API module (openai_api.py, anthropic_api.py) turns its wire format into a `Spec`, names its own
+fields in `Spec.fields` so that every error speaks the client's language, and renders the events.
+Bad input raises `APIError` (rendered in the API's own error body); a prompt is tokenized off the
+event loop, long ones one at a time, after cheap checks that bound the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from jinja2 import TemplateError
+
+from ..api import check_k
+from ..engine.drafters import MODEL
+from ..engine.forward import vocab_width
+from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
+from ..engine.sampling import ParameterError, SamplingParams, check_int
+from ..text import chat_text, check_stop, prompt_ids
+from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, tool_format
+from .metrics import Metrics
+from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
+
+DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, or none
+DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, NO_DRAFT)
+LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
+
+log = logging.getLogger("tinydraft_mlx.server")
+
+
+class APIError(Exception):
+    """An error answered with the API's error body: HTTP status, message, the request field it
+    is about, a code and a kind (OpenAI's names; the Anthropic layer maps them)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+        self.headers = headers
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# request field that a library parameter name comes from
+_PARAMS = {"k": "num_draft_tokens", "prompt token ids": "prompt", "logit_bias token id":
+           "logit_bias", "logit_bias value": "logit_bias"}
+
+
+def parameter_error(err: ParameterError, renames: dict[str, str] | None = None) -> APIError:
+    """A library `ParameterError` as a 400 naming the request's field."""
+    renames = renames or {}
+    param = renames.get(err.name) or renames.get(_PARAMS.get(err.name, "")) or _PARAMS.get(
+        err.name, err.name)
+    name = param if err.name in ("k", "max_tokens", "stop") else err.name
+    return bad(param, f"{name} must be {err.allowed} (got {err.value!r})")
+
+
+@dataclass
+class Defaults:
+    """What a request gets for the fields it leaves out (the server's flags)."""
+
+    k: int | str = 4
+    draft: str = DRAFT_MODEL
+    max_tokens: int = 512
+    temperature: float = 0.0
+
+
+@dataclass
+class Spec:
+    """A request in the server's terms, from whichever API. Either `prompt` (text or token ids)
+    or `messages` (dicts as the chat template takes them, assistant `tool_calls` with arguments
+    as objects); `tools`: function tools in OpenAI's shape ({"type": "function", "function":
+    {"name", "description", "parameters"}}); `tool_choice`: None, "auto", "none", "required" or
+    a function's name given as {"name": ...}. `prefill`: the start of the reply, written by the
+    client (not part of the reply). `fields`: the request's names for ours (e.g.
+    {"max_tokens": "max_completion_tokens", "stop": "stop_sequences"}), used in errors."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, str] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    num_draft_tokens: int | str | None = None
+    draft: str | None = None
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    prefill: str = ""
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def name(self, ours: str) -> str:
+        return self.fields.get(ours, ours)
+
+    def chars(self) -> int:
+        """Characters of text the request asks to tokenize (token-id prompts: none)."""
+        if self.messages is not None:
+            return sum(len(m.get("content") or "") for m in self.messages)
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
+
+
+@dataclass
+class Plan:
+    """A checked request: the job's inputs plus what the reply needs. tool_format: set when the
+    reply is parsed for tool calls (of `tools`); forced: text the prompt ends with, as the start
+    of the reply (a required tool call's start marker)."""
+
+    prompt: list[int]
+    draft: str
+    options: dict[str, Any]
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+    chat: bool
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_format: ToolFormat | None = None
+    forced: str = ""
+
+
+class Service:
+    """The state behind the routes: the worker, the tokenizer, the served model's name, the
+    defaults and the metrics."""
+
+    def __init__(self, worker: Worker, model_name: str, defaults: Defaults) -> None:
+        self.worker, self.model_name, self.defaults = worker, model_name, defaults
+        self.tokenizer = worker.tokenizer
+        args = getattr(worker.target, "args", None)
+        self.context = getattr(args, "max_position_embeddings", None)
+        self.vocab = vocab_width(worker.target)
+        # the longest token, in characters (byte-level BPE: a vocabulary entry has one character
+        # per byte, so none decodes to more): a text longer than limit x this cannot fit
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        self.token_chars = max(map(len, vocab), default=0) or None
+        self.metrics = Metrics(worker)
+        self._planning = asyncio.Semaphore(1)  # one long prompt's tokenization at a time
+        self._planners = 0  # long prompts planning or waiting to
+
+    # -- checking --------------------------------------------------------------------------------
+
+    async def plan_off_loop(self, spec: Spec, tokenize: Callable[[Spec], Any] | None = None
+                            ) -> Any:
+        """`plan(spec)` (or `tokenize(spec)`) on a worker thread. Long prompts (tokenizing 7.5 MB
+        takes ~10 s) are planned one at a time, so a few of them cannot take every thread, while
+        short ones go straight through; 503 when more long ones than the queue holds are already
+        waiting."""
+        work = tokenize or self.plan
+        if spec.chars() <= LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(work, spec)
+        if self._planners >= self.worker.max_queue:
+            raise busy(f"{self._planners} long prompts are being tokenized or waiting to", 1)
+        self._planners += 1
+        try:
+            async with self._planning:
+                return await asyncio.to_thread(work, spec)
+        finally:
+            self._planners -= 1
+
+    def check_model(self, spec: Spec) -> None:
+        if spec.model is not None and spec.model != self.model_name:
+            raise APIError(404, f"model {spec.model!r} is not served here; this server serves "
+                           f"{self.model_name!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    def plan(self, spec: Spec) -> Plan:
+        """Check every field and build the job's inputs; APIError (400/404) for bad input. The
+        cheap checks come first, the prompt's tokenization last. (The API layer has checked its
+        own fields and the request's strings, `check_unicode`.)"""
+        self.check_model(spec)
+        draft = self._draft(spec.draft)
+        k = self.defaults.k if spec.num_draft_tokens is None else spec.num_draft_tokens
+        options = {
+            "k": k,
+            "temperature": (self.defaults.temperature if spec.temperature is None
+                            else spec.temperature),
+            "top_p": 1.0 if spec.top_p is None else spec.top_p,
+            "top_k": 0 if spec.top_k is None else spec.top_k,
+            "min_p": 0.0 if spec.min_p is None else spec.min_p,
+            "seed": spec.seed,
+            "stop": spec.stop,
+            "presence_penalty": spec.presence_penalty,
+            "frequency_penalty": spec.frequency_penalty,
+            "repetition_penalty": spec.repetition_penalty,
+            "logit_bias": self._logit_bias(spec),
+        }
+        try:
+            SamplingParams(options["temperature"], options["top_p"], options["top_k"],
+                           options["min_p"], options["seed"])
+            # checked whatever the draft: a bad value is an error, never ignored
+            check_k(k, self.worker.max_kv_size if draft != NO_DRAFT else None)
+            if spec.max_tokens is not None:
+                check_int("max_tokens", spec.max_tokens, 1)
+            check_stop(options["stop"])
+        except ParameterError as err:
+            raise parameter_error(err, spec.fields) from None
+        chat = spec.messages is not None
+        tools, fmt, forced = self.tools_for(spec) if chat else ([], None, "")
+        ids = (self.chat_prompt(spec, tools, spec.prefill + forced) if chat
+               else self._text_prompt(spec))
+        options["max_tokens"] = self._max_tokens(len(ids), spec)
+        return Plan(ids, draft, options, spec.logprobs, spec.stream, spec.include_usage, chat,
+                    tools, fmt, forced)
+
+    def tools_for(self, spec: Spec) -> tuple[list[dict[str, Any]], ToolFormat | None, str]:
+        """(tools shown to the model, the format its calls are parsed with, forced text)."""
+        tools, choice = spec.tools or [], spec.tool_choice
+        name = spec.name("tool_choice")
+        if not tools:
+            if choice not in (None, "none", "auto"):
+                raise bad(name, f"{name} {choice!r} needs tools")
+            return [], None, ""
+        if choice == "none":  # the model is not told about them and nothing is parsed
+            return [], None, ""
+        fmt = tool_format(self.tokenizer)
+        if fmt is None:
+            raise bad(spec.name("tools"), "this model's chat template has no tool-call format "
+                      "(start the server with a --chat-template that renders tools, such as "
+                      "the model family's own)")
+        names = [_function_name(t) for t in tools]
+        if isinstance(choice, dict):
+            wanted = choice.get("name")
+            if wanted not in names:
+                raise bad(name, f"{name} names the tool {wanted!r}, which is not among the "
+                          f"tools ({names})")
+            return [tools[names.index(wanted)]], fmt, fmt.start
+        return tools, fmt, (fmt.start if choice == "required" else "")
+
+    def chat_prompt(self, spec: Spec, tools: list[dict[str, Any]], after: str = "") -> list[int]:
+        """The messages through the chat template (with the tools), then `after`, encoded."""
+        param = spec.name("messages")
+        if not spec.messages:
+            raise bad(param, f"{param} is required: a non-empty list of messages")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad(param, "this model's tokenizer has no chat template: use "
+                      "/v1/completions, or start the server with --chat-template")
+        try:
+            text = chat_text(self.tokenizer, spec.messages, tools=tools or None)
+            if tools and text == chat_text(self.tokenizer, spec.messages):
+                name = spec.name("tools")
+                raise bad(name, f"this model's chat template does not render tools, so the "
+                          f"model would never see them: drop {name}, or start the server "
+                          "with a --chat-template that renders them")
+            text += after
+        except ParameterError as err:
+            raise parameter_error(err, spec.fields) from None
+        except TemplateError as err:  # the template refused the messages (e.g. role order)
+            raise bad(param, f"the chat template refused the messages: {err}") from None
+        self._check_length(text, param)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise bad(param, f"the {param} make an empty prompt")
+        return ids
+
+    def _text_prompt(self, spec: Spec) -> list[int]:
+        prompt = spec.prompt
+        if prompt is None:
+            raise bad("prompt", "prompt is required: a string or a list of token ids")
+        if isinstance(prompt, str):
+            self._check_length(prompt, "prompt")
+        try:
+            return prompt_ids(self.tokenizer, prompt, self.vocab)
+        except ParameterError as err:
+            raise parameter_error(err) from None
+
+    def _max_tokens(self, n: int, spec: Spec) -> int:
+        """max_tokens for a prompt of n tokens: the prompt must fit the KV bound or the context,
+        and prompt + max_tokens the context (the default is cut to what is left of it)."""
+        name, asked = spec.name("max_tokens"), spec.max_tokens
+        limit_name, limit = self._context_limit()
+        if limit is not None and n >= limit:
+            raise bad(spec.name("messages" if spec.messages is not None else "prompt"),
+                      f"the prompt has {n} tokens; {limit_name} is {limit}, so it must "
+                      f"have at most {limit - 1}", code="context_length_exceeded")
+        if asked is None:
+            default = self.defaults.max_tokens
+            return default if self.context is None else max(1, min(default, self.context - n))
+        if self.context is not None and n + asked > self.context:
+            raise bad(name, f"the prompt has {n} tokens and {name} is {asked}: {n + asked} in "
+                      f"all, more than the model's context length {self.context}",
+                      code="context_length_exceeded")
+        return asked
+
+    def _check_length(self, text: str, param: str) -> None:
+        """Refuse, untokenized, a text too long for any tokenization of it to fit."""
+        limit_name, limit = self._context_limit()
+        if limit is None or self.token_chars is None:
+            return
+        most = limit * self.token_chars
+        if len(text) > most:
+            raise bad(param, f"the prompt has {len(text)} characters; {limit_name} is {limit} "
+                      f"tokens of at most {self.token_chars} characters, so it must have at "
+                      f"most {most}", code="context_length_exceeded")
+
+    def _context_limit(self) -> tuple[str, int | None]:
+        if self.worker.max_kv_size is not None:
+            return "--max-kv-size", self.worker.max_kv_size
+        return "the model's context length", self.context
+
+    def _draft(self, draft: str | None) -> str:
+        draft = self.defaults.draft if draft is None else draft
+        if draft not in DRAFT_CHOICES:
+            raise bad("draft", f"draft must be one of {list(DRAFT_CHOICES)} (got {draft!r})")
+        if draft == DRAFT_MODEL and self.worker.draft is None:
+            raise bad("draft", 'draft "model": this server has no draft model loaded '
+                      f'(use "{PROMPT_LOOKUP}" or "{NO_DRAFT}")')
+        return draft
+
+    def _logit_bias(self, spec: Spec) -> dict[int, float] | None:
+        if spec.logit_bias is None:
+            return None
+        out = {}
+        for key, value in spec.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad("logit_bias", f"logit_bias keys must be token ids (got {key!r})")\
+                    from None
+            if not 0 <= token < self.vocab:
+                raise bad("logit_bias", f"logit_bias token ids must be in [0, {self.vocab - 1}]"
+                          f" (got {token})")
+            out[token] = value
+        return out
+
+    # -- running ---------------------------------------------------------------------------------
+
+    async def start(self, request: Request, plan: Plan, endpoint: str) -> Generation:
+        """Queue the job and wait for it to start. Until the caller stops it (`stop_watching`,
+        when an SSE response takes over the connection), a watcher ends the job as soon as the
+        client hangs up, whether tokens are flowing or not. APIError when it cannot start;
+        ClientGone when the client left first."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event: Any) -> None:  # called on the worker thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed: nobody is listening
+                pass
+
+        draft = self.worker.draft if plan.draft == DRAFT_MODEL else plan.draft
+        job = Job(plan.prompt, draft, plan.options, deliver, plan.logprobs)
+        try:
+            self.worker.submit(job)
+        except QueueFull as err:
+            raise busy(f"{err}: {self.worker.waiting} requests are waiting (--max-queue)",
+                       err.retry_after) from None
+        except WorkerDown as err:
+            raise APIError(503, str(err), code="worker_down", kind="server_error") from None
+        watcher = asyncio.create_task(_watch_disconnect(request, job, events))
+        gen = Generation(self.metrics, endpoint, plan, job, events, watcher)
+        try:
+            first = await gen.next()
+            if isinstance(first, Failed):
+                raise failure(first.error)
+            if isinstance(first, Done):  # cancelled before it started (shutdown)
+                raise APIError(503, "the server is shutting down", code="shutting_down",
+                               kind="server_error")
+            assert isinstance(first, Started)
+            return gen
+        except BaseException:
+            gen.close()
+            raise
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body): 200 and status "ok" while the generation thread runs, else 503
+        and status "error" (requests would not be served)."""
+        w = self.worker
+        entries, nbytes = w.cache_info
+        alive = w.alive
+        return (200 if alive else 503), {
+            "status": "ok" if alive else "error", "model": self.model_name,
+            "draft": self.defaults.draft, "worker": {"alive": alive, "errors": w.errors},
+            "running": w.running, "batch": w.batch, "max_batch": w.max_batch,
+            "waiting": w.waiting, "requests": dict(w.counts),
+            "prompt_cache": {"entries": entries, "bytes": nbytes, "max_bytes": w.pool.max_bytes}}
+
+
+class ClientGone(Exception):
+    """The client hung up before its reply was complete."""
+
+
+_GONE = object()  # put in a job's event queue when its client hangs up
+
+
+class Generation:
+    """A started job's events, in order, as the API layers read them (`next`, `collect`);
+    records the request's metrics as they pass. `close()` whenever the reply ends: it cancels
+    the job if it still runs."""
+
+    def __init__(self, metrics: Metrics, endpoint: str, plan: Plan, job: Job,
+                 events: asyncio.Queue, watcher: asyncio.Task) -> None:
+        self.metrics, self.endpoint, self.plan = metrics, endpoint, plan
+        self.job, self.events, self.watcher = job, events, watcher
+        self.started = time.perf_counter()
+        self._last: float | None = None  # when the latest token came
+        self._ended = False
+
+    async def next(self) -> Started | Piece | Done | Failed:
+        """The job's next event; ClientGone when its client has hung up."""
+        event = await self.events.get()
+        if event is _GONE:
+            self._end("cancelled")
+            raise ClientGone
+        now = time.perf_counter()
+        if isinstance(event, Piece):
+            self.metrics.token(now - (self.started if self._last is None else self._last),
+                               first=self._last is None)
+            self._last = now
+        elif isinstance(event, Done):
+            self._end("cancelled" if event.cancelled else "completed", event)
+        elif isinstance(event, Failed):
+            self._end("failed")
+        return event
+
+    async def collect(self) -> tuple[list[Piece], Done]:
+        """Every piece, then the Done; APIError when the job failed."""
+        pieces: list[Piece] = []
+        while True:
+            event = await self.next()
+            if isinstance(event, Piece):
+                pieces.append(event)
+            elif isinstance(event, Failed):
+                raise failure(event.error)
+            elif isinstance(event, Done):
+                return pieces, event
+
+    def stop_watching(self) -> None:
+        """The SSE response watches its connection from here on."""
+        self.watcher.cancel()
+
+    def close(self) -> None:
+        self.job.cancelled.set()
+        self.watcher.cancel()
+        self._end("cancelled")
+
+    def _end(self, outcome: str, done: Done | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.metrics.finished(self.endpoint, outcome, len(self.plan.prompt), self.plan.draft,
+                              done.stats if done is not None else None)
+
+
+class Reply:
+    """A reply's text and tool calls as its pieces arrive: `feed(piece)` returns what can be
+    sent now, strings (text) and `ToolCall`s in order; with no tool format, the text as it
+    comes."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.splitter = (ToolCallSplitter(plan.tool_format, plan.tools)
+                         if plan.tool_format is not None else None)
+        if self.splitter is not None and plan.forced:
+            self.splitter.feed(plan.forced)  # inside the call: nothing to send yet
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.splitter.calls if self.splitter is not None else []
+
+    def feed(self, piece: Piece) -> list[str | ToolCall]:
+        if self.splitter is None:
+            return [piece.text] if piece.text else []
+        out = self.splitter.feed(piece.text)
+        if piece.finish_reason is not None:
+            out += self.splitter.finish()
+        return out
+
+    def whole(self, pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
+        """(text, tool calls) of a whole reply."""
+        parts = [part for piece in pieces for part in self.feed(piece)]
+        if pieces and pieces[-1].finish_reason is None and self.splitter is not None:
+            parts += self.splitter.finish()  # cancelled: what is held back is text
+        text = "".join(p for p in parts if isinstance(p, str))
+        return text, [p for p in parts if isinstance(p, ToolCall)]
+
+
+async def _watch_disconnect(request: Request, job: Job, events: asyncio.Queue) -> None:
+    """Wait for the client to hang up (the body has been read, so the next ASGI message is the
+    disconnect); then cancel the job, which stops before its next token."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancelled.set()
+            events.put_nowait(_GONE)
+            return
+
+
+def busy(message: str, retry_after: int) -> APIError:
+    return APIError(503, message, code="server_busy", kind="server_error",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def failure(error: Exception) -> APIError:
+    """A job's error as an API error: invalid options (a `ParameterError`, raised by the
+    library's checks) are the client's (400); anything else, a `ValueError` from deep inside
+    MLX included, is ours (500, logged)."""
+    if isinstance(error, ParameterError):
+        return parameter_error(error)
+    log.error("generation failed", exc_info=error)
+    return APIError(500, f"generation failed: {type(error).__name__}: {error}",
+                    kind="server_error", code="generation_failed")
+
+
+def check_unicode(value: Any, where: str = "") -> None:
+    """400 for a string that is not valid Unicode (a lone surrogate such as "\\ud800", which
+    JSON can carry but UTF-8 cannot), naming the field it is in."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise bad(where or None, f"{where or 'the request'} is not valid Unicode: "
+                      f"{err.reason} at character {err.start} "
+                      f"({value[err.start:err.end]!r})") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, where)
+            check_unicode(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{where}[{i}]")
+
+
+def _function_name(tool: dict[str, Any]) -> Any:
+    inner = tool.get("function")
+    return (inner if isinstance(inner, dict) else tool).get("name")
