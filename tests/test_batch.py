@@ -24,6 +24,7 @@ from tests.reference import chi2_statistic, chi2_threshold, warp_np
 from tests.test_api import PENALTIES, _reference_with_processors
 from tinydraft_mlx import (
     BatchDecoder,
+    Hybrid,
     ParameterError,
     PromptCache,
     PromptLookup,
@@ -143,11 +144,12 @@ def test_greedy_batch_equals_the_oracle_and_each_prompt_alone(pair, refs, size, 
 
 
 def test_batch_mixes_draft_kinds_ks_and_plain_rows(pair, refs):
-    """Model drafts at k 2 and 5, auto, prompt lookup, none: one batch, each row its oracle."""
+    """Model drafts at k 2 and 5, auto, prompt lookup, none, hybrid (its lookup on unigrams:
+    lookup and model rounds mixed in one row): one batch, each row its oracle."""
     target, draft, tok = pair
     decoder = BatchDecoder(target, draft)
     kinds = [("model", 2), ("model", 5), ("model", "auto"), (PromptLookup(), 4), (None, 4),
-             ("prompt-lookup", "auto")]
+             ("prompt-lookup", "auto"), ("hybrid", 3), (Hybrid(draft, PromptLookup(1, 1)), 4)]
     uids = [decoder.insert(refs[i][0], draft=kind, k=k, max_tokens=NEW)
             for i, (kind, k) in enumerate(kinds)]
     out = _drain(decoder, uids)
@@ -346,10 +348,12 @@ def test_unseeded_plain_rows_drawn_together_follow_the_oracle(pair, oracle):
 
 # -- seeds ----------------------------------------------------------------------------------------
 
-def test_a_seeded_sequence_does_not_depend_on_its_batch(pair, refs):
+@pytest.mark.parametrize("kind", ["model", "hybrid"])
+def test_a_seeded_sequence_does_not_depend_on_its_batch(pair, refs, kind):
     """Alone, beside one other, among 7 others of mixed settings, joining late: the same tokens,
     and `generate`'s with that seed."""
     target, draft, tok = pair
+    solo = draft if kind == "model" else Hybrid(draft)
     ids = refs[0][0]
     mine = SamplingParams(1.0, top_p=0.9, seed=1234)
 
@@ -362,7 +366,7 @@ def test_a_seeded_sequence_does_not_depend_on_its_batch(pair, refs):
         if late:
             for _ in range(3):
                 decoder.step()
-        uid = decoder.insert(ids, draft="model", k=3, max_tokens=30, sampling=mine)
+        uid = decoder.insert(ids, draft=kind, k=3, max_tokens=30, sampling=mine)
         return _drain(decoder, [uid, *companions])[uid]
 
     alone = run(0, False)
@@ -370,7 +374,7 @@ def test_a_seeded_sequence_does_not_depend_on_its_batch(pair, refs):
     assert run(1, False) == alone
     assert run(7, False) == alone
     assert run(7, True) == alone
-    assert alone == generate(target, draft, tok, ids, k=3, max_tokens=30, temperature=1.0,
+    assert alone == generate(target, solo, tok, ids, k=3, max_tokens=30, temperature=1.0,
                              top_p=0.9, seed=1234)[0]
     other = SamplingParams(1.0, top_p=0.9, seed=1235)
     decoder = BatchDecoder(target, draft)

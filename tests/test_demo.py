@@ -77,6 +77,23 @@ def test_prompt_lookup_copies_and_stays_lossless(demo, demo_oracle, k):
         assert stats.accepted >= 8 and stats.acceptance_rate > 0.3, stats.summary()
 
 
+@pytest.mark.usefixtures("cpu_fp32")
+def test_hybrid_drafts_from_both_sources_on_the_demo_pair(demo, demo_oracle):
+    """The editing prompt: a hybrid's rounds come from the lookup and the model, and the output
+    is the oracle's greedy continuation."""
+    from tinydraft_mlx import Hybrid
+    from tinydraft_mlx.engine.drafters import HybridDraft
+
+    target, draft, tok = demo
+    ids = tok.encode(EDITING)
+    ref, _ = demo_oracle.greedy(ids, NEW_TOKENS, eos=tok.eos_token_id)
+    drafter = HybridDraft(Hybrid(draft))
+    out, stats = generate(target, drafter, tok, ids, k=4, max_tokens=NEW_TOKENS)
+    assert out == ref
+    assert drafter.recent["prompt-lookup"].rounds > 0 and drafter.recent["model"].rounds > 0
+    assert stats.acceptance_rate > 0.3, stats.summary()
+
+
 def test_cli_runs_on_the_demo_pair_by_default(capsys):
     assert main(["--prompt", "def parse_args(", "--max-tokens", "24"]) == 0
     out, err = capsys.readouterr()

@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 
 from tests.fixtures import TARGET_WIDTH
-from tinydraft_mlx import PromptLookup, generate
+from tinydraft_mlx import Hybrid, PromptLookup, generate
+from tinydraft_mlx.engine.drafters import HybridDraft
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
@@ -130,6 +131,22 @@ def test_prompt_lookup_matches_oracle(pair, references, k):
         assert drafted > 0
 
 
+@pytest.mark.parametrize("k", [2, 5])
+def test_hybrid_matches_oracle(pair, references, k):
+    """Prompt lookup (unigram matches: it proposes often, and is mostly rejected by this random
+    pair) and the draft model in one generation: each round from one of them, the output the
+    oracle's; both sources are used."""
+    target, draft, tok = pair
+    rounds = {"prompt-lookup": 0, "model": 0}
+    for ids, ref in references.values():
+        drafter = HybridDraft(Hybrid(draft, PromptLookup(min_ngram=1)))
+        out, stats = generate(target, drafter, tok, ids, k=k, max_tokens=NEW_TOKENS)
+        assert out == ref
+        for source, recent in drafter.recent.items():
+            rounds[source] += recent.rounds
+    assert rounds["prompt-lookup"] > 0 and rounds["model"] > 0, rounds
+
+
 class _Scripted:
     """A stand-in for DraftLengthPolicy that plays a fixed schedule of k, cycling: long plain
     stretches (the draft falls behind and must catch up), k up to 8, and k = 1."""
@@ -148,7 +165,7 @@ class _Scripted:
         pass
 
 
-@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup", "hybrid"])
 def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkeypatch):
     """k="auto" only changes k between rounds; any schedule of k must stay exact. A scripted
     schedule makes that independent of this machine's timings."""
@@ -157,7 +174,8 @@ def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkey
     monkeypatch.setattr(spec, "shared_policy", lambda *args: _Scripted())
     target, draft, tok = pair
     for ids, ref in references.values():
-        d = draft if drafter == "model" else drafter
+        d = {"model": draft, "hybrid": Hybrid(draft, PromptLookup(min_ngram=1))}.get(
+            drafter, drafter)
         out, stats = generate(target, d, tok, ids, k="auto", max_tokens=NEW_TOKENS)
         assert out == ref
         assert sum(stats.k_histogram.values()) == stats.rounds

@@ -5,10 +5,11 @@ The oracle enumerates P(a, b) = p1(a) p2(b | a), each factor warped by the indep
 (tests/reference.py) from transformers fp32 logits. Our samples come from N independent seeds of
 `generate(k=2)`, whose first round drafts two tokens, so both the accept path and the residual
 resampling path shape the pair. The same for k="auto" (a plain round, then k = 1), for
-prompt-lookup drafts (point-mass proposals), for a draft whose vocabulary is wider than the
-target's (its mass beyond the target's width is always rejected), and with a bounded cache
-(`max_kv_size` below the prompt's length: the exact joint then comes from a brute-force windowed
-forward pass, tests/reference.py, and the unbounded joint must be rejected).
+prompt-lookup drafts (point-mass proposals) and a hybrid's lookup round, for a draft whose
+vocabulary is wider than the target's (its mass beyond the target's width is always rejected),
+and with a bounded cache (`max_kv_size` below the prompt's length: the exact joint then comes
+from a brute-force windowed forward pass, tests/reference.py, and the unbounded joint must be
+rejected).
 Bound: Pearson's chi-square over outcomes (cells with expected count < 5 pooled) against the
 Wilson-Hilferty 1 - 3.2e-5 quantile, and any outcome the warp rules out fails outright. The same
 samples scored against the distribution without top-p must exceed the threshold, which shows the
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.reference import chi2_statistic, chi2_threshold, warp_np, windowed_logits
-from tinydraft_mlx import generate
+from tinydraft_mlx import Hybrid, generate
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
@@ -74,10 +75,12 @@ def _case(name, pair, oracle, load):
     a, b = oracle.greedy(ids, 2)[0]
     for _ in range(4):
         a = int(np.argmax(oracle.logits(ids + [a, b] + ids[-3:])[-1]))
-    return "prompt-lookup", 2, ids + [a, b] + ids[-3:]
+    copy = ids + [a, b] + ids[-3:]
+    return (Hybrid(draft) if name == "hybrid" else "prompt-lookup"), 2, copy
 
 
-@pytest.mark.parametrize("drafter", ["model", "auto", "prompt-lookup", "wide", "bounded"])
+@pytest.mark.parametrize("drafter", ["model", "auto", "prompt-lookup", "hybrid", "wide",
+                                     "bounded"])
 @pytest.mark.parametrize("warp_kw", [dict(temperature=1.0, top_p=0.8)])
 def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, monkeypatch):
     import tinydraft_mlx.engine.speculative as spec

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.test_server import PROMPTS, TEMPLATE, Served
-from tinydraft_mlx import load_models, stream_generate
+from tinydraft_mlx import Hybrid, load_models, stream_generate
 from tinydraft_mlx.server import Defaults, create_app
 from tinydraft_mlx.serving.worker import Worker
 
@@ -41,7 +41,7 @@ def batched(models):
 
 def _library(models, prompt: str, draft: str, **kwargs) -> str:
     target, model, tokenizer = models
-    d = {"model": model, "none": None}.get(draft, draft)
+    d = {"model": model, "none": None, "hybrid": Hybrid(model)}.get(draft, draft)
     return "".join(r.text for r in stream_generate(target, d, tokenizer, prompt, **kwargs))
 
 
@@ -60,6 +60,10 @@ SETTINGS = [
      dict(max_tokens=20, temperature=0.9, top_p=0.9, seed=77, draft="none")),
     (dict(max_tokens=28, stop=["\n"], extra_body={"num_draft_tokens": 5}),
      dict(max_tokens=28, stop=["\n"], k=5, draft="model")),
+    (dict(max_tokens=26, extra_body={"draft": "hybrid", "num_draft_tokens": 3}),
+     dict(max_tokens=26, k=3, draft="hybrid")),
+    (dict(max_tokens=22, temperature=0.8, seed=9, extra_body={"draft": "hybrid"}),
+     dict(max_tokens=22, temperature=0.8, seed=9, k=4, draft="hybrid")),
 ]
 
 

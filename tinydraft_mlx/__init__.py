@@ -7,6 +7,7 @@ preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 from .api import generate, stream_generate
 from .batching import batch_generate
 from .engine.batch import BatchDecoder, Finished
+from .engine.drafters import Hybrid
 from .engine.lookup import PromptLookup
 from .engine.policy import DraftLengthPolicy
 from .engine.sampling import ParameterError, SamplingParams, warp
@@ -23,6 +24,7 @@ __all__ = [
     "Finished",
     "DraftLengthPolicy",
     "GenerationResponse",
+    "Hybrid",
     "PromptCache",
     "PromptCacheError",
     "PromptLookup",

@@ -46,8 +46,10 @@ from .batch_cache import BatchCache
 from .cache import KEEP, Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import (
+    HYBRID,
     MODEL,
     Drafter,
+    Hybrid,
     draft_logits,
     max_draft_length,
     point_mass,
@@ -115,6 +117,12 @@ class _Row:
     keys: list = field(default_factory=list)
     drafts: list | mx.array = field(default_factory=list)
     q: mx.array | None = None
+    host: bool = False  # this round's proposal was made on the host (prompt lookup's)
+
+    @property
+    def chain_k(self) -> int:
+        """Draft tokens this row takes from the batched draft chain this round."""
+        return 0 if self.host else self.round_k
 
     @property
     def model(self) -> bool:
@@ -211,16 +219,17 @@ class BatchDecoder:
         keep_caches: bool = False,
     ) -> int:
         """Queue a sequence; returns its uid. Arguments are assumed valid (the API checks them):
-        `draft` is "model" (the decoder's draft model), a `PromptLookup`, "prompt-lookup" or
-        None; caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
+        `draft` is "model" (the decoder's draft model), "hybrid" (it and prompt lookup), a
+        `PromptLookup`, "prompt-lookup", a resolved drafter of the decoder's model, or None;
+        caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
         `keep_caches`: keep the sequence's caches for `remove` / `finished`."""
         if not prompt:
             raise ParameterError("prompt", "at least one token", prompt)
-        if isinstance(draft, str) and draft == MODEL:
+        if isinstance(draft, str) and draft in (MODEL, HYBRID):
             if self.draft is None:
-                raise ParameterError("draft", 'not "model" in a decoder without a draft model',
-                                     draft)
-            draft = self.draft
+                raise ParameterError("draft", f'not "{draft}" in a decoder without a draft '
+                                     "model", draft)
+            draft = self.draft if draft == MODEL else Hybrid(self.draft)
         drafter = resolve_drafter(draft)
         if drafter.model is not None and drafter.model is not self.draft:
             raise ParameterError("draft", '"model" (the decoder\'s draft model), prompt lookup '
@@ -352,8 +361,8 @@ class BatchDecoder:
         self._joined = True
 
     def _ready(self, row: _Row) -> None:
-        if not row.model:  # prompt lookup indexes the sequence (a model row drafts batched)
-            row.drafter.begin(row.seq, None)
+        # prompt lookup indexes the sequence; a model's cache is the batch's (no cache here)
+        row.drafter.begin(row.seq, None)
         if row.k == AUTO and row.drafter.drafts:
             target_time = row.target_prefill
             if row.model and target_time > 1e-3:
@@ -446,22 +455,22 @@ class BatchDecoder:
         return batch_costs(self.target, key, len(self.rows), self.draft_ratio)
 
     def _propose(self) -> None:
-        """Every row's proposal for this round: `drafts` (up to round_k ids) and `q`."""
+        """Every row's proposal for this round: `drafts` (up to round_k ids) and `q` (None for
+        a host proposal: point masses). Host proposals (prompt lookup, a hybrid's lookup round)
+        first; then one batched draft chain for the rows that draft with the model."""
         for row in self.rows:
-            row.drafts, row.q = [], None
+            row.drafts, row.q, row.host = [], None, False
             if row.round_k > 0:
                 row.keys = row.split(2)  # (draft key, verify key)
+                match = row.drafter.host_proposal(row.round_k)
+                if match is not None:
+                    row.drafts, row.host = match, True
+                    row.round_k = len(match)  # the source may offer fewer than asked
         self._chain = None
         model_rows = [r for r in self.rows if r.model]
-        if model_rows and max(r.round_k for r in model_rows) > 0:
+        if model_rows and max(r.chain_k for r in model_rows) > 0:
             self._draft_chain(model_rows)
         for row in self.rows:
-            if row.round_k > 0 and not row.model:
-                history = mx.array(row.seq, dtype=mx.int32) if row.processors else None
-                drafts, q = row.drafter.propose(row.round_k, row.sampling, row.keys[0], history,
-                                                row.processors, self.width)
-                row.drafts, row.q = drafts.tolist(), q
-                row.round_k = len(row.drafts)  # the source may offer fewer than asked
             if row.round_k == 0:  # nothing drafted (or nothing to offer): a plain step
                 row.keys = row.split(1)  # (step key,)
 
@@ -486,7 +495,7 @@ class BatchDecoder:
         fewer, or none, this round feed what they have and are rolled back at commit)."""
         cache = self.draft_cache
         self._catch_up(rows)
-        steps = max(r.round_k for r in rows)
+        steps = max(r.chain_k for r in rows)
         unseen = [r.seq[length:] for r, length in zip(rows, cache.lengths)]
         lengths = list(cache.lengths)
         n = max(len(u) for u in unseen)
@@ -495,8 +504,8 @@ class BatchDecoder:
         cache.rollback([length + len(u) for length, u in zip(lengths, unseen)])
         last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
         logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
-        sampled = [r for r in rows if not r.sampling.greedy and r.round_k > 0]
-        keys = {id(r): mx.random.split(r.keys[0], r.round_k) for r in sampled
+        sampled = [r for r in rows if not r.sampling.greedy and r.chain_k > 0]
+        keys = {id(r): mx.random.split(r.keys[0], r.chain_k) for r in sampled
                 if r.sampling.seed is not None}  # seeded rows draw with their own keys
         histories = {id(r): mx.array(r.seq, dtype=mx.int32) for r in rows if r.processors}
         plain = not sampled and not histories
@@ -510,7 +519,7 @@ class BatchDecoder:
             else:
                 picks, warped, shared = [], {}, []
                 def sampled_here(r: _Row, i: int = i) -> bool:
-                    return id(r) in qs and i < r.round_k and id(r) not in histories
+                    return id(r) in qs and i < r.chain_k and id(r) not in histories
 
                 for members in _regimes(rows, sampled_here).values():
                     probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
@@ -521,7 +530,7 @@ class BatchDecoder:
                         row_logits = draft_logits(row_logits, histories[id(row)],
                                                   [t[j] for t in chain], row.processors,
                                                   self.width)
-                    if id(row) in qs and i < row.round_k:
+                    if id(row) in qs and i < row.chain_k:
                         q = warped[j] if j in warped else warp(row_logits, row.sampling)
                         qs[id(row)].append(q)
                         if id(row) in keys:
@@ -542,8 +551,8 @@ class BatchDecoder:
         drafts = mx.stack(chain, axis=1)  # (Bd, steps)
         self._chain = drafts
         for j, row in enumerate(rows):
-            if row.round_k > 0:
-                row.drafts = drafts[j, : row.round_k]
+            if row.chain_k > 0:
+                row.drafts = drafts[j, : row.chain_k]
                 if id(row) in qs:
                     row.q = mx.stack(qs[id(row)])
 
@@ -564,7 +573,7 @@ class BatchDecoder:
         model_index, picks, take = 0, [], []
         for r in rows:
             picks.append(model_index if r.model else 0)
-            take.append([r.model and i < r.round_k for i in range(width - 1)])
+            take.append([i < r.chain_k and r.model for i in range(width - 1)])
             model_index += r.model
         chain = chain[mx.array(picks, dtype=mx.int32)]
         rest = mx.where(mx.array(take), chain, x[:, 1:])
@@ -682,7 +691,7 @@ class BatchDecoder:
         for row, size, logits in zip(self.rows, sizes, kept):
             k = row.round_k
             values, at = flat[at : at + size], at + size
-            if row.model and chain is not None:
+            if row.model and chain is not None and not row.host:
                 drafts = chain[model_index][:k]
             else:
                 drafts = row.drafts if isinstance(row.drafts, list) else row.drafts.tolist()
@@ -695,6 +704,8 @@ class BatchDecoder:
             else:  # [n, token], or [token] for a plain step
                 n, token = values if size == 2 else (0, values[0])
             tokens = drafts[:n] + [token]
+            before = len(row.seq)
+            row.drafter.rollback(before + n)  # a hybrid learns which source was accepted
             row.stats.record_round(k, n)
             row.stats.decode_seconds += elapsed
             row.stats.peak_memory = peak
@@ -716,8 +727,8 @@ class BatchDecoder:
                     break
             out[row.uid] = emitted
             t_keep.append(len(row.seq) - 1 + ahead)
-            if row.model:
-                d_keep.append(len(row.seq) - 1)
+            if row.model:  # a host proposal's row was fed the chain's tokens past `before`
+                d_keep.append(min(len(row.seq) - 1, before) if row.host else len(row.seq) - 1)
         self.target_cache.rollback(t_keep)
         if self.draft_cache is not None and d_keep:
             self.draft_cache.rollback(d_keep)

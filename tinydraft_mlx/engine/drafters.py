@@ -1,5 +1,6 @@
 """Draft sources behind one small protocol, and the one resolver that turns the user's `draft`
-argument into one: a draft model (a `PrunedDraft` is one too), prompt lookup, or none.
+argument into one: a draft model (a `PrunedDraft` is one too), prompt lookup, both (`Hybrid`:
+each round from whichever has recently been accepted more), or none.
 
 The decode loop asks a `Drafter` for proposals and never what kind it holds:
 
@@ -13,7 +14,9 @@ The decode loop asks a `Drafter` for proposals and never what kind it holds:
 - `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix).
 - `drafts` (False: plain decoding), `model` (the model whose cache generation and prompt caches
   keep), `policy_key` (what `k="auto"` keeps its learning under), `name` ("model",
-  "prompt-lookup", "none").
+  "prompt-lookup", "hybrid", "none").
+- `host_proposal(k)`: a proposal made on the host without the model (prompt lookup's), when
+  this round should use one, else None; the batched loop drafts the other rows with the model.
 
 Knows nothing about the loop, text or serving.
 """
@@ -34,6 +37,7 @@ from .policy import AUTO, AUTO_MAX_K
 from .sampling import ParameterError, Processor, SamplingParams, process_logits, warp
 
 MODEL = "model"
+HYBRID = "hybrid"
 
 Proposal = tuple[mx.array, mx.array | None]  # draft ids (k,), their q (k, V) when sampling
 
@@ -55,6 +59,8 @@ class Drafter(Protocol):
     def catch_up(self) -> float: ...
 
     def rollback(self, keep: int) -> None: ...
+
+    def host_proposal(self, k: int) -> list[int] | None: ...
 
 
 def _empty() -> Proposal:
@@ -78,6 +84,9 @@ class NoDraft:
     def rollback(self, keep: int) -> None:
         pass
 
+    def host_proposal(self, k: int) -> list[int] | None:
+        return None
+
 
 class ModelDraft:
     """A draft model: k single-token steps, queued with `mx.async_eval` (no host sync along the
@@ -91,8 +100,10 @@ class ModelDraft:
         self.cache: Cache | None = None
 
     def begin(self, seq: list[int], cache: Cache | None) -> None:
+        """`cache` None: the model drafts in a batch, on the batch's cache."""
         self.seq, self.cache = seq, cache
-        prefill(self.model, cache, seq[cache_length(cache) : -1])
+        if cache is not None:
+            prefill(self.model, cache, seq[cache_length(cache) : -1])
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
@@ -119,6 +130,9 @@ class ModelDraft:
         if self.cache is not None:
             rollback(self.cache, keep)
 
+    def host_proposal(self, k: int) -> list[int] | None:
+        return None
+
 
 class LookupDraft:
     """Prompt lookup: the continuation of the latest earlier occurrence of the current suffix,
@@ -136,11 +150,7 @@ class LookupDraft:
         self.index = self.settings.index(seq)
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
-        proposal = self.index.propose(k) if k else []
-        if not proposal:
-            return _empty()
-        drafts = mx.array(proposal, dtype=mx.int32)
-        return drafts, None if sampling.greedy else point_mass(drafts, width)
+        return _host(self.host_proposal(k) or [], sampling, width)
 
     def catch_up(self) -> float:
         return 0.0
@@ -148,26 +158,138 @@ class LookupDraft:
     def rollback(self, keep: int) -> None:
         pass  # the index reads `seq` itself
 
+    def host_proposal(self, k: int) -> list[int] | None:
+        return self.index.propose(k) if k else []
+
+
+def _host(proposal: list[int], sampling: SamplingParams, width: int | None) -> Proposal:
+    """A host proposal as (ids, q): its q is the point mass on each token."""
+    if not proposal:
+        return _empty()
+    drafts = mx.array(proposal, dtype=mx.int32)
+    return drafts, None if sampling.greedy else point_mass(drafts, width)
+
+
+class Hybrid:
+    """The `draft` argument for prompt lookup and a draft model together: each round proposes
+    from the n-gram index when it has a match and its proposals have recently been accepted at
+    least as well as the model's, else from the model (see `HybridDraft`)."""
+
+    def __init__(self, model: nn.Module, lookup: PromptLookup | None = None) -> None:
+        if not callable(model):
+            raise ParameterError("Hybrid model", "a draft model", type(model).__name__)
+        self.model, self.lookup = model, lookup or PromptLookup()
+
+
+class _Recent:
+    """Tokens accepted per round from one source: an exponential mean over its recent rounds
+    (None before its first)."""
+
+    WEIGHT = 0.5  # of the latest round: about the last 2-4 rounds count
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.rounds = 0
+
+    def update(self, accepted: int) -> None:
+        self.rounds += 1
+        self.value = accepted if self.value is None else (
+            (1 - self.WEIGHT) * self.value + self.WEIGHT * accepted)
+
+
+class HybridDraft:
+    """Prompt lookup and a draft model. Per round, when the index has a match, the match is
+    proposed if lookup has not been tried yet, if its latest round was accepted whole (a copy
+    goes on), if its recent rounds have had at least as many tokens accepted as the model's (a
+    lookup round costs no draft forwards, so a tie goes to it), or if the model has drafted
+    `RETRY` rounds since lookup was last tried (so that a file being copied later is noticed);
+    otherwise the model drafts (it is tried once before lookup's record counts against it). A
+    match that keeps being rejected stops crowding out the model. Exact either way: a lookup
+    proposal is a point mass, the model's comes with its q."""
+
+    name, drafts = HYBRID, True
+    RETRY = 8  # model rounds between two tries of a lookup that has been losing
+
+    def __init__(self, hybrid: Hybrid) -> None:
+        self.model = hybrid.model
+        self.inner = ModelDraft(hybrid.model)
+        self.lookup = LookupDraft(hybrid.lookup)
+        self.policy_key = f"{HYBRID}:{id(hybrid.model)}:{hybrid.lookup!r}"
+        self.recent = {PROMPT_LOOKUP: _Recent(), MODEL: _Recent()}
+        self.seq: list[int] = []
+        self._source: str | None = None  # this round's, until its acceptance is known
+        self._start = 0
+        self._proposed = 0  # tokens this round's lookup proposal had
+        self._whole = False  # lookup's latest round was accepted whole
+        self._since_lookup = 0  # model rounds since lookup was last chosen
+
+    def begin(self, seq: list[int], cache: Cache | None) -> None:
+        self.seq = seq
+        self.lookup.begin(seq, None)
+        self.inner.begin(seq, cache)
+
+    def host_proposal(self, k: int) -> list[int] | None:
+        """This round's lookup proposal, or None when the model should draft; records which."""
+        self._start = len(self.seq)
+        match = self.lookup.host_proposal(k) if k else []
+        if match and self._prefers_lookup():
+            self._source, self._since_lookup, self._proposed = PROMPT_LOOKUP, 0, len(match)
+            return match
+        self._source = MODEL if k else None
+        self._since_lookup += bool(k)
+        return None
+
+    def _prefers_lookup(self) -> bool:
+        mine, model = self.recent[PROMPT_LOOKUP].value, self.recent[MODEL].value
+        if mine is None:
+            return True
+        if model is None:
+            return False
+        return self._whole or mine >= model or self._since_lookup >= self.RETRY
+
+    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
+        match = self.host_proposal(k)
+        if match is not None:
+            return _host(match, sampling, width)
+        return self.inner.propose(k, sampling, key, history, processors, width)
+
+    def catch_up(self) -> float:
+        return self.inner.catch_up()
+
+    def rollback(self, keep: int) -> None:
+        """Also the end of a round: keep - (seq's length at the proposal) tokens of this round's
+        proposal were accepted."""
+        if self._source is not None:
+            accepted = max(0, keep - self._start)
+            self.recent[self._source].update(accepted)
+            if self._source == PROMPT_LOOKUP:
+                self._whole = accepted >= self._proposed
+            self._source = None
+        self.inner.rollback(keep)
+
 
 def resolve_drafter(draft: object) -> Drafter:
-    """The drafter for a `draft` argument: a model, "prompt-lookup" or a `PromptLookup`, None or
-    "none" (plain decoding), or a drafter already resolved (returned as it is). ParameterError
-    for anything else."""
+    """The drafter for a `draft` argument: a model, "prompt-lookup" or a `PromptLookup`, a
+    `Hybrid`, None or "none" (plain decoding), or a drafter already resolved (returned as it
+    is). ParameterError for anything else."""
     if draft is None:
         return NoDraft()
-    if isinstance(draft, (NoDraft, ModelDraft, LookupDraft)):
+    if isinstance(draft, (NoDraft, ModelDraft, LookupDraft, HybridDraft)):
         return draft
     if isinstance(draft, PromptLookup):
         return LookupDraft(draft)
+    if isinstance(draft, Hybrid):
+        return HybridDraft(draft)
     if isinstance(draft, str):
         if draft.lower() == NO_DRAFT:
             return NoDraft()
         if draft.lower() == PROMPT_LOOKUP:
             return LookupDraft(PromptLookup())
-        raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None', draft)
+        raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", a Hybrid, "{NO_DRAFT}" or None',
+                             draft)
     if callable(draft):  # a model: anything mlx-lm-like, model(tokens, cache=...) -> logits
         return ModelDraft(draft)
-    raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", "{NO_DRAFT}" or None',
+    raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", a Hybrid, "{NO_DRAFT}" or None',
                          type(draft).__name__)
 
 

@@ -22,7 +22,7 @@ from fastapi import Request
 from jinja2 import TemplateError
 
 from ..api import check_k
-from ..engine.drafters import MODEL
+from ..engine.drafters import HYBRID, MODEL, Hybrid
 from ..engine.forward import vocab_width
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
 from ..engine.sampling import ParameterError, SamplingParams, check_int
@@ -31,8 +31,8 @@ from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, tool_format
 from .metrics import Metrics
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
-DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, or none
-DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, NO_DRAFT)
+DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, both, none
+DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, HYBRID, NO_DRAFT)
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
 
 log = logging.getLogger("tinydraft_mlx.server")
@@ -323,8 +323,8 @@ class Service:
         draft = self.defaults.draft if draft is None else draft
         if draft not in DRAFT_CHOICES:
             raise bad("draft", f"draft must be one of {list(DRAFT_CHOICES)} (got {draft!r})")
-        if draft == DRAFT_MODEL and self.worker.draft is None:
-            raise bad("draft", 'draft "model": this server has no draft model loaded '
+        if draft in (DRAFT_MODEL, HYBRID) and self.worker.draft is None:
+            raise bad("draft", f'draft "{draft}": this server has no draft model loaded '
                       f'(use "{PROMPT_LOOKUP}" or "{NO_DRAFT}")')
         return draft
 
@@ -360,7 +360,8 @@ class Service:
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
 
-        draft = self.worker.draft if plan.draft == DRAFT_MODEL else plan.draft
+        draft = {DRAFT_MODEL: self.worker.draft, HYBRID: Hybrid(self.worker.draft)}.get(
+            plan.draft, plan.draft) if self.worker.draft is not None else plan.draft
         job = Job(plan.prompt, draft, plan.options, deliver, plan.logprobs)
         try:
             self.worker.submit(job)

@@ -35,7 +35,6 @@ import mlx.nn as nn
 from ..api import _plan, stream_generate
 from ..batching import _defaults, _drain, record_caches
 from ..engine.batch import BatchDecoder
-from ..engine.drafters import MODEL
 from ..engine.speculative import Token
 from ..engine.stats import GenerationStats
 from ..prompt_cache import MARGIN, PromptCache
@@ -317,8 +316,7 @@ class Worker:
         pc.in_use = True
         try:
             pc.reuse(plan.ids)
-            kind = MODEL if plan.drafter.model is not None else plan.drafter
-            uid = decoder.insert(plan.ids, draft=kind, k=plan.k, max_tokens=plan.max_tokens,
+            uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.k, max_tokens=plan.max_tokens,
                                  sampling=plan.sampling, eos_token_ids=plan.eos,
                                  logits_processors=plan.processors,
                                  target_cache=pc.target_cache, draft_cache=pc.draft_cache,
