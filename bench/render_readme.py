@@ -402,6 +402,34 @@ def batch(r: dict) -> list[str]:
     return lines
 
 
+def hybrid(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    lines = [
+        f"**Hybrid drafting: prompt lookup and the draft model** (`python bench/hybrid.py`; demo "
+        f"pair, {s['dtype']}, k={s['k']}, {s['max_tokens']} tokens per prompt, 3 prompts per "
+        f"workload, each cell a fresh process, median of {s['repeats']}; {m['device']}, BLAS: "
+        f"{m['blas']}; [json](results/hybrid.json), [plot](results/hybrid.png)). Decode "
+        "tokens/s (ratio to plain) and acceptance; greedy outputs equal to plain decoding's: "
+        f"{'yes' if r['greedy_outputs_equal_plain'] else 'NO'}.",
+        "",
+        "| workload | T | " + " | ".join(s["contenders"]) + " | hybrid rounds, lookup / model |",
+        "| --- | --- | " + "--- | " * (len(s["contenders"]) + 1),
+    ]
+    cells: dict[tuple, dict] = {}
+    for x in r["summary"]:
+        cells.setdefault((x["workload"], x["temperature"]), {})[x["contender"]] = x
+    for (workload, t), row in cells.items():
+        out = [workload, f"{t:g}"]
+        for c in s["contenders"]:
+            x = row[c]
+            acc = "" if x["acceptance"] is None else f", {x['acceptance']:.2f}"
+            out.append(f"{x['tps']:.0f} ({x['vs_plain']:.2f}x{acc})")
+        rounds = row["hybrid"]["hybrid_rounds"]
+        out.append(f"{rounds['prompt-lookup']} / {rounds['model']}")
+        lines.append("| " + " | ".join(out) + " |")
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -431,6 +459,7 @@ def main() -> None:
         ("distributed", distributed),
         ("server", server),
         ("batch", batch),
+        ("hybrid", hybrid),
     ]:
         data = _load(name)
         if data is not None:

@@ -37,3 +37,40 @@ def test_qwen25_pair_greedy_matches_transformers(qwen):
         out, stats = generate(target, draft, tok, ids, k=k, max_tokens=32)
         assert out == ref
         assert stats.acceptance_rate > 0.3
+
+
+def test_qwen25_calls_a_tool_through_the_server_and_hybrid_stays_exact(qwen):
+    """The real pair writes a tool call the server parses (Qwen2.5's own template), and hybrid
+    drafting on a copy-heavy prompt is plain greedy decoding's output."""
+    import json
+
+    from tests.test_server import Served
+    from tinydraft_mlx import Hybrid
+    from tinydraft_mlx.server import Defaults, create_app
+    from tinydraft_mlx.serving.worker import Worker
+
+    target, draft, tok = qwen
+    served = Served(create_app(Worker(target, draft, tok, max_batch=2), "qwen",
+                               Defaults(k=3, max_tokens=96)))
+    try:
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}]
+        r = served.client().chat.completions.create(
+            model="qwen", tools=tools, extra_body={"draft": "hybrid"},
+            messages=[{"role": "user", "content": "What is the weather in Paris right now?"}])
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_weather"
+        assert "paris" in json.loads(call.function.arguments)["city"].lower()
+    finally:
+        served.close()
+    code = ("def area(r):\n    return 3.14159 * r * r\n\n\ndef perimeter(r):\n"
+            "    return 2 * 3.14159 * r\n")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n"
+                                       + code}], add_generation_prompt=True, tokenize=False)
+    plain, _ = generate(target, None, tok, prompt, max_tokens=64)
+    hybrid, stats = generate(target, Hybrid(draft), tok, prompt, k=4, max_tokens=64)
+    assert hybrid == plain
+    assert stats.acceptance_rate > 0.5

@@ -42,31 +42,38 @@ def test_bad_settings(kw):
         PromptLookup(**kw)
 
 
-def test_hybrid_chooses_the_source_that_has_been_accepted():
-    """Which source a hybrid round uses: lookup first, the model once lookup is rejected, lookup
-    again after RETRY model rounds or when its latest round was accepted whole; a round without
-    a match always drafts with the model."""
+def test_hybrid_chooses_the_source_that_gives_more_tokens_per_second(monkeypatch):
+    """Which source a hybrid round uses, by its recent tokens per second (a fake clock): lookup
+    first, the model once tried, then whichever has given more; lookup again after RETRY model
+    rounds; a round without a match always drafts with the model."""
+    import tinydraft_mlx.engine.drafters as drafters
     from tinydraft_mlx import Hybrid
     from tinydraft_mlx.engine.drafters import HybridDraft
 
+    clock = [0.0]
+    monkeypatch.setattr(drafters.time, "perf_counter", lambda: clock[0])
     seq = [1, 2, 3, 4, 5, 6, 1, 2]  # the suffix (1, 2) continues 3, 4, 5, ...
     hybrid = HybridDraft(Hybrid(lambda *a, **kw: None))
     hybrid.begin(seq, None)
 
-    def round_(accepted: int) -> str:
-        """One round: its source, given how many of its proposal were accepted."""
+    def round_(accepted: int, seconds: float) -> str:
+        """One round: its source, given how many of its proposal were accepted in what time."""
         start = len(seq)
         source = "lookup" if hybrid.host_proposal(3) is not None else "model"
+        clock[0] += seconds
         hybrid.rollback(start + accepted)
         return source
 
-    assert round_(0) == "lookup"  # untried: lookup first (it costs no draft forwards)
-    assert round_(2) == "model"  # rejected: the model is tried
-    assert [round_(2) for _ in range(HybridDraft.RETRY - 1)] == ["model"] * (
-        HybridDraft.RETRY - 1)  # lookup's record (0) is below the model's (2)
-    assert round_(3) == "lookup"  # RETRY model rounds: lookup again, accepted whole
-    assert round_(3) == "lookup"  # a copy goes on while it is accepted whole
-    assert round_(0) == "lookup"  # ... (its recent mean 2.25 >= the model's 2)
-    assert round_(1) == "model"  # now below: the model
+    assert round_(0, 0.01) == "lookup"  # untried: lookup first: 1 token in 10 ms, 100/s
+    assert round_(2, 0.02) == "model"  # untried: 3 tokens in 20 ms, 150/s
+    assert [round_(2, 0.02) for _ in range(HybridDraft.RETRY - 1)] == ["model"] * (
+        HybridDraft.RETRY - 1)  # lookup's 100/s < the model's 150/s
+    assert round_(3, 0.01) == "lookup"  # RETRY model rounds: lookup again: 250/s
+    assert round_(3, 0.01) == "lookup"  # 325/s
+    assert [round_(0, 0.01) for _ in range(3)] == ["lookup"] * 3  # 212.5/s, 156.25/s, 128/s
+    assert round_(2, 0.02) == "model"  # below the model's 150/s
+    # a model that pays less than the copies: lookup, although often rejected
+    assert round_(0, 0.05) == "model"  # 2 tokens in 35 ms: 57/s
+    assert round_(1, 0.01) == "lookup"
     seq[-1] = 99  # no earlier occurrence of the suffix: the model, whatever the record
     assert hybrid.host_proposal(3) is None

@@ -592,6 +592,16 @@ def test_server_command_serves_and_stops_cleanly_on_sigterm():
             proc.wait()
 
 
+def test_the_server_drafts_hybrid_by_default_with_a_draft_model():
+    from tinydraft_mlx.server import build_app, setup_arg_parser
+
+    for argv, draft in [([], "hybrid"), (["--no-hybrid"], "model"),
+                        (["--draft", "prompt-lookup"], "prompt-lookup"),
+                        (["--draft", "none"], "none")]:
+        app = build_app(setup_arg_parser().parse_args(argv))
+        assert app.state.service.defaults.draft == draft, argv
+
+
 def test_server_flags_are_checked_before_loading(capsys):
     from tinydraft_mlx.server import main
 

@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cli import flag_message
 from .engine.cache import KEEP
-from .engine.drafters import resolve_drafter
+from .engine.drafters import HYBRID, resolve_drafter
 from .engine.lookup import NO_DRAFT
 from .engine.sampling import ParameterError, SamplingParams, check_int
 from .serving import limits
@@ -58,6 +58,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-draft-tokens", default="4", dest="k",
                    help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' (4); "
                         "requests may set num_draft_tokens")
+    p.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
+                   help="with a draft model, requests that leave out `draft` draft with it and "
+                        "prompt lookup together, each round from whichever has recently given "
+                        "more tokens per second (default); --no-hybrid: the model alone")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="keep only the draft's N most frequent tokens in its LM head")
     p.add_argument("--draft-vocab-counts", default=None, metavar="FILE",
@@ -134,6 +138,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         tokenizer.chat_template = read_template(args.chat_template)
     drafter = resolve_drafter(draft)
     model, default_draft = drafter.model, drafter.name
+    if model is not None and args.hybrid:
+        default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
                     cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue,
                     max_batch=args.max_batch)

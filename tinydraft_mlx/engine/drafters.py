@@ -182,30 +182,38 @@ class Hybrid:
 
 
 class _Recent:
-    """Tokens accepted per round from one source: an exponential mean over its recent rounds
-    (None before its first)."""
+    """One source's recent rounds: exponential means of the tokens a round gave (its accepted
+    drafts plus the target's own token) and of its seconds; `rate` is tokens per second (None
+    before its first round)."""
 
     WEIGHT = 0.5  # of the latest round: about the last 2-4 rounds count
 
     def __init__(self) -> None:
-        self.value: float | None = None
+        self.tokens = self.seconds = 0.0
         self.rounds = 0
 
-    def update(self, accepted: int) -> None:
+    def update(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.rounds == 0 else self.WEIGHT
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
         self.rounds += 1
-        self.value = accepted if self.value is None else (
-            (1 - self.WEIGHT) * self.value + self.WEIGHT * accepted)
+
+    @property
+    def rate(self) -> float | None:
+        return None if self.rounds == 0 else self.tokens / max(self.seconds, 1e-9)
 
 
 class HybridDraft:
     """Prompt lookup and a draft model. Per round, when the index has a match, the match is
-    proposed if lookup has not been tried yet, if its latest round was accepted whole (a copy
-    goes on), if its recent rounds have had at least as many tokens accepted as the model's (a
-    lookup round costs no draft forwards, so a tie goes to it), or if the model has drafted
-    `RETRY` rounds since lookup was last tried (so that a file being copied later is noticed);
-    otherwise the model drafts (it is tried once before lookup's record counts against it). A
-    match that keeps being rejected stops crowding out the model. Exact either way: a lookup
-    proposal is a point mass, the model's comes with its q."""
+    proposed if lookup has not been tried yet, or if its recent rounds have given at least as
+    many tokens per second as the model's (a lookup round costs only the verify; a model round
+    adds its draft steps and its catch-up on what lookup rounds emitted), or if the model has
+    drafted `RETRY` rounds since lookup was last tried (so that a file being copied later is
+    noticed); otherwise the model drafts (tried once before lookup's record counts against it).
+    A match that keeps being rejected stops crowding out a good model draft, and a model that
+    pays less than the copies stops crowding out lookup. Exact either way: a lookup proposal is
+    a point mass, the model's comes with its q. A round's seconds run from its proposal to its
+    acceptance (`host_proposal` to `rollback`), which in a batch is the batch's round."""
 
     name, drafts = HYBRID, True
     RETRY = 8  # model rounds between two tries of a lookup that has been losing
@@ -218,9 +226,8 @@ class HybridDraft:
         self.recent = {PROMPT_LOOKUP: _Recent(), MODEL: _Recent()}
         self.seq: list[int] = []
         self._source: str | None = None  # this round's, until its acceptance is known
-        self._start = 0
-        self._proposed = 0  # tokens this round's lookup proposal had
-        self._whole = False  # lookup's latest round was accepted whole
+        self._start = 0  # seq's length at the proposal
+        self._began = 0.0  # when the round's proposal was made
         self._since_lookup = 0  # model rounds since lookup was last chosen
 
     def begin(self, seq: list[int], cache: Cache | None) -> None:
@@ -230,40 +237,41 @@ class HybridDraft:
 
     def host_proposal(self, k: int) -> list[int] | None:
         """This round's lookup proposal, or None when the model should draft; records which."""
-        self._start = len(self.seq)
+        self._start, self._began = len(self.seq), time.perf_counter()
         match = self.lookup.host_proposal(k) if k else []
         if match and self._prefers_lookup():
-            self._source, self._since_lookup, self._proposed = PROMPT_LOOKUP, 0, len(match)
+            self._source, self._since_lookup = PROMPT_LOOKUP, 0
             return match
         self._source = MODEL if k else None
         self._since_lookup += bool(k)
         return None
 
     def _prefers_lookup(self) -> bool:
-        mine, model = self.recent[PROMPT_LOOKUP].value, self.recent[MODEL].value
+        mine, model = self.recent[PROMPT_LOOKUP].rate, self.recent[MODEL].rate
         if mine is None:
             return True
         if model is None:
             return False
-        return self._whole or mine >= model or self._since_lookup >= self.RETRY
+        return mine >= model or self._since_lookup >= self.RETRY
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         match = self.host_proposal(k)
         if match is not None:
             return _host(match, sampling, width)
+        self.inner.catch_up()  # only when the model drafts: lookup rounds need no catch-up
         return self.inner.propose(k, sampling, key, history, processors, width)
 
     def catch_up(self) -> float:
-        return self.inner.catch_up()
+        """Nothing here: the model catches up in `propose` when it is the round's source (its
+        time is then the round's)."""
+        return 0.0
 
     def rollback(self, keep: int) -> None:
         """Also the end of a round: keep - (seq's length at the proposal) tokens of this round's
         proposal were accepted."""
         if self._source is not None:
             accepted = max(0, keep - self._start)
-            self.recent[self._source].update(accepted)
-            if self._source == PROMPT_LOOKUP:
-                self._whole = accepted >= self._proposed
+            self.recent[self._source].update(accepted + 1, time.perf_counter() - self._began)
             self._source = None
         self.inner.rollback(keep)
 

@@ -216,7 +216,7 @@ async def respond(service: Service, request: Request, plan: Plan) -> Response:
         gen.close()
     reply = Reply(plan)
     content: list[dict[str, Any]] = []
-    for part in [p for piece in pieces for p in reply.feed(piece)]:
+    for part in reply.parts(pieces):
         if isinstance(part, ToolCall):
             content.append(an.tool_use_block(part))
         elif content and content[-1]["type"] == "text":

@@ -2,10 +2,10 @@
 JSON of responses, stream chunks, tool calls and usage.
 
 Knows nothing about models or HTTP. Extensions beyond OpenAI's fields (documented in the README):
-requests take `num_draft_tokens` (int or "auto"), `draft` ("model", "prompt-lookup", "none"),
-`top_k`, `min_p` and `repetition_penalty`; `usage.speculative` reports acceptance; every choice
-(streamed or not) carries `tinydraft: {"token_ids": [...], "from_draft": [...]}`, which of its
-tokens were accepted draft proposals.
+requests take `num_draft_tokens` (int or "auto"), `draft` ("model", "prompt-lookup", "hybrid",
+"none"), `top_k`, `min_p` and `repetition_penalty`; `usage.speculative` reports acceptance; every
+choice (streamed or not) carries `tinydraft: {"token_ids": [...], "from_draft": [...]}`, which of
+its tokens were accepted draft proposals.
 """
 
 from __future__ import annotations

@@ -488,11 +488,16 @@ class Reply:
             out += self.splitter.finish()
         return out
 
-    def whole(self, pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
-        """(text, tool calls) of a whole reply."""
+    def parts(self, pieces: list[Piece]) -> list[str | ToolCall]:
+        """The text and tool calls of a whole reply, in order."""
         parts = [part for piece in pieces for part in self.feed(piece)]
         if pieces and pieces[-1].finish_reason is None and self.splitter is not None:
-            parts += self.splitter.finish()  # cancelled: what is held back is text
+            parts += self.splitter.finish()  # cut short: what is held back is text
+        return parts
+
+    def whole(self, pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
+        """(text, tool calls) of a whole reply."""
+        parts = self.parts(pieces)
         text = "".join(p for p in parts if isinstance(p, str))
         return text, [p for p in parts if isinstance(p, ToolCall)]
 
