@@ -46,6 +46,9 @@ def _run_device():
 def pytest_configure(config):
     import mlx.core as mx
 
+    # k="auto"'s policy file is off unless a test turns it on (with its own path): a user's file
+    # must neither shape the tests nor be written by them (subprocesses inherit this)
+    os.environ["TINYDRAFT_POLICY_FILE"] = "off"
     mx.set_default_device(_run_device())
     config.addinivalue_line("markers", "cpu_only: needs MLX's CPU backend (skipped elsewhere)")
 

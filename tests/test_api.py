@@ -142,11 +142,12 @@ def test_repetition_penalty_sampling_follows_oracle(pair, oracle):
     exact = joint(penalised)
     plain = joint(lambda h: warp_np(oracle.logits(h)[-1], temperature=1.0, top_p=0.9))
     assert 10 < len(exact) < 2000  # a real distribution, small enough to be sampled well
+    cache = PromptCache(target, draft)  # the prompt prefilled once for every sample
     check_first_two_tokens(
         lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, temperature=1.0,
                               top_p=0.9, seed=seed, repetition_penalty=penalty,
                               logits_processors=[boost_successor],
-                              repetition_context_size=context),
+                              repetition_context_size=context, prompt_cache=cache),
         n, exact, plain)
 
 

@@ -184,3 +184,16 @@ def test_generations_at_different_temperatures_get_their_own_acceptance(pair):
                       temperature=1.0, seed=0)
     assert cold.policy is cold_again.policy  # learning carries over within a regime
     assert hot.policy is not cold.policy and hot.policy.costs is cold.policy.costs
+
+
+def test_a_fresh_pair_times_k_1_to_3_twice_before_concluding_plain():
+    """Speculation that cannot pay (acceptance 0, a draft round at 2x a plain one): a pair with
+    no evidence still times k = 1, 2, 3 twice each before settling on plain decoding, so one
+    unlucky first probe does not decide for the whole process."""
+    from tinydraft_mlx.engine.policy import EXPLORE_KS, EXPLORE_TIMES
+
+    policy = DraftLengthPolicy()
+    _, _, ks = simulate(policy, lambda r: 0.0, lambda k: 1.0 + k, 60)
+    assert all(policy.timed[k] >= EXPLORE_TIMES for k in EXPLORE_KS), policy.timed
+    assert sum(k > 0 for k in ks) <= len(EXPLORE_KS) * EXPLORE_TIMES + 2
+    assert ks[-30:].count(0) >= 29  # then plain

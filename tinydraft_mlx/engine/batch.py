@@ -62,6 +62,7 @@ from .policy import (
     DraftLengthPolicy,
     batch_costs,
     choose_for_batch,
+    save_policy,
     shared_policy,
 )
 from .rejection import speculative_accept, speculative_accept_rows
@@ -289,6 +290,8 @@ class BatchDecoder:
         """Rows out of the batch: their caches rolled back to seq[:-1], extracted where kept;
         a queued round forgets them too."""
         leaving = {id(r) for r in rows}
+        for row in rows:
+            save_policy(row.policy)  # what k="auto" learned, for the next process
         model_rows = [r for r in self.rows if r.model]
         for cache, members in ((self.target_cache, self.rows), (self.draft_cache, model_rows)):
             if cache is not None and members:
@@ -534,7 +537,7 @@ class BatchDecoder:
                         q = warped[j] if j in warped else warp(row_logits, row.sampling)
                         qs[id(row)].append(q)
                         if id(row) in keys:
-                            picks.append(mx.random.categorical(mx.log(q), key=keys[id(row)][i]))
+                            picks.append(sample_rows(q, keys[id(row)][i]))
                         else:
                             shared.append(j)
                             picks.append(None)
@@ -629,7 +632,7 @@ class BatchDecoder:
                 plain_shared.append(j)
             elif k == 0:  # a plain step, sampled as `speculative._plain_step` samples it
                 p = warped[j][:, 0] if j in warped else warp(row_logits[:, 0], row.sampling)
-                results[j] = mx.random.categorical(mx.log(p), key=row.keys[0]).astype(mx.int32)
+                results[j] = sample_rows(p, row.keys[0])
             elif j not in warped:  # processed logits: this row alone
                 p = warp(row_logits, row.sampling)
                 n, token = speculative_accept(p, self._q(row, p.shape[-1])[None],

@@ -34,7 +34,15 @@ from .cache import Cache, cache_length, rollback
 from .forward import forward, model_inputs, prefill
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
 from .policy import AUTO, AUTO_MAX_K
-from .sampling import ParameterError, Processor, SamplingParams, process_logits, warp
+from .policy_store import fingerprint
+from .sampling import (
+    ParameterError,
+    Processor,
+    SamplingParams,
+    process_logits,
+    sample_rows,
+    warp,
+)
 
 MODEL = "model"
 HYBRID = "hybrid"
@@ -222,7 +230,8 @@ class HybridDraft:
         self.model = hybrid.model
         self.inner = ModelDraft(hybrid.model)
         self.lookup = LookupDraft(hybrid.lookup)
-        self.policy_key = f"{HYBRID}:{id(hybrid.model)}:{hybrid.lookup!r}"
+        # a string (as a model-free drafter's), stable across processes for the policy file
+        self.policy_key = f"{HYBRID}:{fingerprint(hybrid.model)}:{hybrid.lookup!r}"
         self.recent = {PROMPT_LOOKUP: _Recent(), MODEL: _Recent()}
         self.seq: list[int] = []
         self._source: str | None = None  # this round's, until its acceptance is known
@@ -357,7 +366,7 @@ def _draft_chain(
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:
             q = warp(logits, params)
-            token = mx.random.categorical(mx.log(q), key=keys[i]).astype(mx.int32)
+            token = sample_rows(q, keys[i])
             qs.append(q)
         mx.async_eval(token)
         tokens.append(token)

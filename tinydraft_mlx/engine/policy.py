@@ -26,18 +26,33 @@ loss fits in `probe_budget` (2%) of the time spent in plain rounds since the las
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
 once per sampling regime (temperature, top-p, top-k, min-p), since acceptance learned at T = 0
-says little about T = 1.
+says little about T = 1. And across processes (`policy_store.py`): a pair new to the process
+starts from what the last processes on this machine, device and dtype saved for it, and saves
+what it learns when a generation ends (at most every SAVE_EVERY seconds).
+
+A pair that has learned nothing yet does not conclude that plain decoding wins before k = 1..3
+have each been timed twice (`EXPLORE_KS`): one unlucky first probe (a traced step, a rejected
+draft) kept a fresh process plain for whole generations.
 """
 
 from __future__ import annotations
 
+import json
+import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
+from typing import Any
+
+from . import policy_store
 
 AUTO = "auto"
 AUTO_MAX_K = 8
 MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
+EXPLORE_KS = (1, 2, 3)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
+EXPLORE_TIMES = 2
+SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
+LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
 
 
 class RoundCosts:
@@ -50,6 +65,22 @@ class RoundCosts:
         self.timed: Counter[int] = Counter()
         self.switch_seconds = 0.0
         self.switches = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round_seconds": {str(k): v for k, v in self.round_seconds.items()},
+                "timed": {str(k): n for k, n in self.timed.items()},
+                "switch_seconds": self.switch_seconds, "switches": self.switches}
+
+    def load(self, data: dict[str, Any]) -> None:
+        """Start from saved costs (ValueError/TypeError/KeyError if they are not ours)."""
+        seconds = {int(k): float(v) for k, v in data["round_seconds"].items()}
+        timed = Counter({int(k): int(n) for k, n in data["timed"].items()})
+        if any(v <= 0 for v in seconds.values()) or set(timed) - set(seconds):
+            raise ValueError("round costs must be positive, timed only where measured")
+        self.round_seconds.update(seconds)
+        self.timed.update(timed)
+        self.switch_seconds = float(data["switch_seconds"])
+        self.switches = int(data["switches"])
 
 
 class DraftLengthPolicy:
@@ -138,6 +169,9 @@ class DraftLengthPolicy:
         if rates[best] > plain_rate:
             self.plain_seconds = 0.0
             return best
+        untried = [k for k in EXPLORE_KS if k <= limit and self.timed[k] < EXPLORE_TIMES]
+        if untried:  # too little evidence yet to give up on speculation
+            return untried[0]
         # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
         # last probe have earned it: its expected loss (seconds beyond what plain decoding would
         # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
@@ -188,13 +222,67 @@ class DraftLengthPolicy:
 
 
 class _Pair:
-    """What a (target, draft) pair has learned: its costs, and a policy per sampling regime."""
+    """What a (target, draft) pair has learned: its costs, and a policy per sampling regime;
+    `store_key` names its entry in the policy file (None: not persisted), `saved` the regimes'
+    acceptance read from it."""
 
-    def __init__(self, target: object, draft: object) -> None:
+    def __init__(self, target: object, draft: object, store_key: str | None = None) -> None:
         self.target = weakref.ref(target)
         self.draft = None if isinstance(draft, str) else weakref.ref(draft)
         self.costs = RoundCosts()
         self.policies: OrderedDict[Hashable, DraftLengthPolicy] = OrderedDict()
+        self.store_key = store_key
+        self.saved: dict[str, dict[str, list[float]]] = {}
+        self.last_save = 0.0
+        if store_key is not None:
+            self._load(policy_store.load_entry(store_key))
+
+    def _load(self, entry: dict[str, Any] | None) -> None:
+        if entry is None:
+            return
+        try:
+            costs = RoundCosts()
+            costs.load(entry["costs"])
+            saved = {str(r): {"accepted": [float(x) for x in v["accepted"]],
+                              "rejected": [float(x) for x in v["rejected"]]}
+                     for r, v in entry["regimes"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            policy_store._warn_once(f"ignoring a k='auto' policy entry that is not ours: {err}")
+            return
+        self.costs, self.saved = costs, saved
+
+    def policy(self, regime: Hashable, draft_ratio: float) -> DraftLengthPolicy:
+        policy = self.policies.get(regime)
+        if policy is None:
+            policy = self.policies[regime] = DraftLengthPolicy(
+                AUTO_MAX_K, draft_ratio=draft_ratio, costs=self.costs)
+            saved = self.saved.get(_regime_key(regime))
+            if saved is not None and len(saved["accepted"]) == AUTO_MAX_K == len(
+                    saved["rejected"]):
+                total = sum(saved["accepted"]) + sum(saved["rejected"])
+                scale = min(1.0, LOADED_WEIGHT / total) if total > 0 else 0.0
+                policy.accepted = [a * scale for a in saved["accepted"]]
+                policy.rejected = [r * scale for r in saved["rejected"]]
+            while len(self.policies) > MAX_REGIMES:
+                self.policies.popitem(last=False)
+        self.policies.move_to_end(regime)
+        return policy
+
+    def save(self, force: bool = False) -> None:
+        """Write what the pair has learned to its policy file entry (at most every SAVE_EVERY
+        seconds unless `force`)."""
+        if self.store_key is None or not self.costs.round_seconds:
+            return
+        now = time.monotonic()
+        if not force and self.last_save and now - self.last_save < SAVE_EVERY:
+            return
+        self.last_save = now
+        regimes = dict(self.saved)
+        for regime, policy in self.policies.items():
+            regimes[_regime_key(regime)] = {"accepted": policy.accepted,
+                                            "rejected": policy.rejected}
+        policy_store.save_entry(self.store_key, {"costs": self.costs.to_json(),
+                                                 "regimes": regimes, "saved": time.time()})
 
     def alive(self) -> bool:
         return self.target() is not None and (self.draft is None or self.draft() is not None)
@@ -218,16 +306,28 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
     key = (id(target), draft if isinstance(draft, str) else id(draft))
     pair = _SHARED.get(key)
     if pair is None or not pair.holds(target, draft):
-        pair = _SHARED[key] = _Pair(target, draft)
-    policy = pair.policies.get(regime)
-    if policy is None:
-        policy = pair.policies[regime] = DraftLengthPolicy(AUTO_MAX_K, draft_ratio=draft_ratio,
-                                                           costs=pair.costs)
-        while len(pair.policies) > MAX_REGIMES:
-            pair.policies.popitem(last=False)
-    pair.policies.move_to_end(regime)
+        pair = _SHARED[key] = _Pair(target, draft, _store_key(target, draft))
+    policy = pair.policy(regime, draft_ratio)
     policy.plain_seconds = 0.0
+    policy.pair = pair
     return policy
+
+
+def save_policy(policy: DraftLengthPolicy | None, force: bool = False) -> None:
+    """After a generation: save what its pair has learned (see `_Pair.save`)."""
+    pair = getattr(policy, "pair", None)
+    if pair is not None:
+        pair.save(force)
+
+
+def _store_key(target: object, draft: object) -> str | None:
+    if policy_store.policy_path() is None:
+        return None
+    return policy_store.pair_key(target, draft)
+
+
+def _regime_key(regime: Hashable) -> str:
+    return json.dumps(regime if not isinstance(regime, tuple) else list(regime))
 
 
 # -- batches ----------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def speculative_accept(
     u = mx.random.uniform(shape=(batch, k), key=accept_key)
     n = _leading_true(_accepted(p, q, draft_tokens, u))
     row = _emission_row(p, q, n)
-    token = mx.random.categorical(mx.log(row), key=sample_key)
+    token = sample_rows(row, sample_key)
     return n, token.astype(mx.int32)
 
 
@@ -105,7 +105,7 @@ def speculative_accept_rows(
     lengths[b] tokens (its p rows beyond lengths[b] + 1 and q, draft rows beyond lengths[b] are
     padding). With a key per row (`keys` a list), row b's randomness is drawn exactly as
     `speculative_accept` draws it for that row alone (its key split in two; a (1, lengths[b])
-    uniform; a categorical over its (1, V) residual row), so a seeded row's outcome does not
+    uniform; an inverse-CDF draw from its (1, V) residual row), so a seeded row's outcome does not
     depend on the rows beside it; with one key (`keys` an array) the rows' draws are made
     together (independent draws all the same: each row is still distributed exactly as p).
 
@@ -132,7 +132,6 @@ def speculative_accept_rows(
     if isinstance(keys, mx.array):
         token = sample_rows(row, sample_key)
     else:
-        logs = mx.log(row)
-        token = mx.concatenate([mx.random.categorical(logs[b : b + 1], key=split[b][1])
+        token = mx.concatenate([sample_rows(row[b : b + 1], split[b][1])
                                 for b in range(batch)])
     return n, token.astype(mx.int32)

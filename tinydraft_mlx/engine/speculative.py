@@ -35,9 +35,9 @@ from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter
 from .forward import PREFILL_STEP, forward, prefill, traces, vocab_width
-from .policy import AUTO, DraftLengthPolicy, shared_policy
+from .policy import AUTO, DraftLengthPolicy, save_policy, shared_policy
 from .rejection import greedy_accept, speculative_accept
-from .sampling import Processor, SamplingParams, process_logits, warp
+from .sampling import Processor, SamplingParams, process_logits, sample_rows, warp
 from .stats import GenerationStats
 
 __all__ = ["PREFILL_STEP", "Processor", "Progress", "Token", "decode", "max_draft_length",
@@ -204,6 +204,7 @@ def decode(
         finally:
             g.stats.finish_reason = g.stats.finish_reason or "closed"
             _rollback_both(g.target_cache, g.drafter, len(g.seq) - 1)
+            save_policy(g.policy)  # what k="auto" learned, for the next process
             if g.ranks is not None and sys.exc_info()[0] in (None, GeneratorExit):
                 g.ranks.check_same(g.seq[len(prompt):])  # the ranks must have generated the same
 
@@ -369,7 +370,7 @@ def _plain_step(
     if sampling.greedy:
         nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
     else:
-        nxt = mx.random.categorical(mx.log(warp(logits, sampling)), key=key).astype(mx.int32)
+        nxt = sample_rows(warp(logits, sampling), key)
     return nxt, logprobs, (mx.concatenate([history, nxt]) if processors else None)
 
 
