@@ -14,6 +14,15 @@ the first generation of a pair in a process). Compiled steps are traced by a war
 over prompts x repeats.
 
 Writes results/<name>.json and results/<name>.png.
+
+    python bench/auto.py --fresh                           # ~6 minutes: results/auto_fresh.*
+
+Fresh processes, as every CLI run is: each contender (plain, k = 1..4, "auto, no file" with the
+policy file off, "auto, file" with the policy file a previous process wrote) runs one prompt x
+128 tokens in a process of its own (compiled steps traced first by fixed-k warm-ups, so that
+"fresh" is about the policy), interleaved, 3 repeats, medians; at T = 0 and at T = 0.7 with
+top-p 0.8, top-k 20 (Qwen2.5-Instruct's defaults), and with the oracle draft at alpha 0 (a draft
+that is always rejected: speculation cannot pay).
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ from pathlib import Path
 from common import machine, model_dtype, pair_parser, pyplot, save
 from oracle_draft import OracleDraft
 
-from bench import PROMPTS, ours
-from tinydraft_mlx import active_blas, load_models
+from bench import PROMPTS, decode_rate, ours
+from tinydraft_mlx import active_blas, load_models, stream_generate
 from tinydraft_mlx.engine import policy as policy_module
 
 
@@ -93,6 +102,101 @@ def main() -> None:
     save(report, args.name, plot)
 
 
+FRESH = ["plain", "k=1", "k=2", "k=3", "k=4", "auto, no file", "auto, file"]
+FRESH_CELLS = [("real", 0.0), ("real", 0.7), ("alpha 0", 0.0)]
+FRESH_TOKENS = 128
+
+
+def fresh_worker(contender: str, cell: str, temp: float) -> dict:
+    """One contender in this (fresh) process: decode tokens/s of one prompt."""
+    import tinydraft_mlx.engine.policy as policy
+
+    target, draft, tok = load_models()
+    ids = tok.encode(PROMPTS[0])
+    if cell == "alpha 0":
+        ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0,
+                         seed=0)[0]
+        draft = OracleDraft(draft, ref, 0.0, 0)
+    saved = dict(policy._SHARED)
+    for k in (None, 1, 2, 3, 4):  # trace the compiled shapes, with no policy learned
+        ours(target, draft if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp, seed=1)
+    assert policy._SHARED == saved
+    k = {"plain": 1}.get(contender, "auto" if contender.startswith("auto") else
+                         int(contender[2:]) if contender.startswith("k=") else None)
+    sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
+    steps = stream_generate(target, None if contender == "plain" else draft, tok, ids, k=k,
+                            max_tokens=FRESH_TOKENS, temperature=temp, seed=0, **sampling)
+    out, rate, extra = decode_rate((r.token, r) for r in steps)
+    stats = extra[-1].stats
+    return {"contender": contender, "cell": cell, "temp": temp, "tok_s": rate,
+            "drafted": stats.drafted, "accepted": stats.accepted,
+            "k_histogram": {str(k): n for k, n in sorted(stats.k_histogram.items())}}
+
+
+def fresh_main() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+
+        def run(contender: str, cell: str, temp: float) -> dict:
+            key = f"{cell}-{temp}"
+            file = "off" if contender != "auto, file" else files.setdefault(
+                key, os.path.join(tmp, f"{len(files)}.json"))
+            env = dict(os.environ, HF_HUB_OFFLINE="1", TINYDRAFT_POLICY_FILE=file)
+            done = subprocess.run([sys.executable, __file__, "--fresh-worker", contender, cell,
+                                   str(temp)], env=env, check=True, capture_output=True,
+                                  text=True, timeout=600)
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
+        for cell, temp in FRESH_CELLS:  # a previous process wrote the file "auto, file" reads
+            run("auto, file", cell, temp)
+        for _rep in range(3):
+            for cell, temp in FRESH_CELLS:
+                for contender in FRESH:
+                    runs.append(run(contender, cell, temp))
+                    print(json.dumps(runs[-1]), flush=True)
+    cells = []
+    for cell, temp in FRESH_CELLS:
+        tok_s = {c: statistics.median(r["tok_s"] for r in runs if r["contender"] == c
+                                      and (r["cell"], r["temp"]) == (cell, temp)) for c in FRESH}
+        fixed = {c: v for c, v in tok_s.items() if c.startswith("k=")}
+        best = max(fixed, key=fixed.get)
+        cells.append({"cell": cell, "temp": temp, "tok_s": tok_s, "best_fixed": best,
+                      "vs_plain": {c: v / tok_s["plain"] for c, v in tok_s.items()},
+                      "vs_best_fixed": {c: v / fixed[best] for c, v in tok_s.items()}})
+        print(cells[-1], flush=True)
+    target, _, _ = load_models()
+    report = {"settings": {"prompt": PROMPTS[0], "max_tokens": FRESH_TOKENS, "repeats": 3,
+                           "sampled": {"top_p": 0.8, "top_k": 20}, "dtype": model_dtype(target),
+                           "blas": active_blas()},
+              "machine": machine(), "cells": cells, "runs": runs}
+    save(report, "auto_fresh", fresh_plot)
+
+
+def fresh_plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    cells = report["cells"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(FRESH)
+    for j, name in enumerate(FRESH):
+        xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
+        ax.bar(xs, [c["vs_plain"][name] for c in cells], width=width, label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(cells)), [f"{c['cell']} draft, T={c['temp']}" for c in cells])
+    ax.set(ylabel="decode tokens/s vs plain (median of 3)",
+           title=f"k='auto' in fresh processes (demo pair, {report['settings']['dtype']}, one "
+                 f"prompt x {FRESH_TOKENS} tokens; T=0.7 with top-p 0.8, top-k 20)")
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def label(cell: dict) -> str:
     if cell["draft"] == "real":
         return f"real draft, T={cell['temp']}"
@@ -129,4 +233,13 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["--fresh-worker"]:
+        import json
+
+        print(json.dumps(fresh_worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))))
+    elif sys.argv[1:] == ["--fresh"]:
+        fresh_main()
+    else:
+        main()

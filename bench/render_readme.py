@@ -430,6 +430,25 @@ def hybrid(r: dict) -> list[str]:
     return lines
 
 
+def auto_fresh(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    names = list(r["cells"][0]["tok_s"])
+    lines = [
+        f"**k=\"auto\" in fresh processes** (`python bench/auto.py --fresh`; demo pair, "
+        f"{s['dtype']}, one prompt x {s['max_tokens']} tokens, every contender in its own "
+        f"process, median of {s['repeats']}; T=0.7 with top-p 0.8, top-k 20; {m['device']}, "
+        f"BLAS: {m['blas']}; [json](results/auto_fresh.json), [plot](results/auto_fresh.png)). "
+        "Decode tokens/s (ratio to plain).",
+        "",
+        "| draft, T | " + " | ".join(names) + " |",
+        "| --- | " + "--- | " * len(names),
+    ]
+    for c in r["cells"]:
+        cells = [f"{c['tok_s'][n]:.0f} ({c['vs_plain'][n]:.2f}x)" for n in names]
+        lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -447,6 +466,7 @@ def main() -> None:
         ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
         ("demo_pair", best_k),
         ("auto", auto),
+        ("auto_fresh", auto_fresh),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
         ("blas", blas),

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import format_sse_event
 
 from ..tool_calls import ToolCall
 from . import anthropic_schema as an
@@ -201,19 +201,11 @@ def _cached(done: Done) -> int:
 
 async def respond(service: Service, request: Request, plan: Plan) -> Response:
     """Run the plan and answer: one message, or the stream of events."""
-    try:
-        gen = await service.start(request, plan, "messages")
-    except ClientGone:
-        return Response(status_code=499)
-    if plan.stream:
-        gen.stop_watching()
-        return EventSourceResponse(_stream(service, gen))
-    try:
-        pieces, done = await gen.collect()
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        gen.close()
+    return await service.respond(request, plan, "messages", lambda gen: _stream(service, gen),
+                                 lambda pieces, done: _reply(service, plan, pieces, done))
+
+
+def _reply(service: Service, plan: Plan, pieces: list[Piece], done: Done) -> dict[str, Any]:
     reply = Reply(plan)
     content: list[dict[str, Any]] = []
     for part in reply.parts(pieces):
@@ -224,12 +216,12 @@ async def respond(service: Service, request: Request, plan: Plan) -> Response:
         else:
             content.append(an.text_block(part))
     stop_reason, stop_sequence = _stop_reason(pieces[-1] if pieces else None, reply)
-    return JSONResponse({
+    return {
         "id": an.new_id(), "type": "message", "role": "assistant", "model": service.model_name,
         "content": content or [an.text_block("")], "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": an.usage(len(plan.prompt), _cached(done), len(pieces)),
-        "tinydraft": _extension(pieces, done, plan)})
+        "tinydraft": _extension(pieces, done, plan)}
 
 
 async def _stream(service: Service, gen: Generation) -> AsyncIterator[bytes]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import format_sse_event
 
 from ..engine.sampling import ParameterError, check_int
 from ..tool_calls import ToolCall
@@ -193,20 +193,8 @@ def _arguments(text: str, param: str) -> dict[str, Any]:
 
 async def respond(service: Service, request: Request, plan: Plan, endpoint: str) -> Response:
     """Run the plan and answer: one JSON object, or an SSE stream of chunks."""
-    try:
-        gen = await service.start(request, plan, endpoint)
-    except ClientGone:
-        return Response(status_code=499)
-    if plan.stream:
-        gen.stop_watching()  # the SSE response watches its connection from here on
-        return EventSourceResponse(_stream(service, gen))
-    try:
-        pieces, done = await gen.collect()
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        gen.close()
-    return JSONResponse(_whole(service, plan, pieces, done))
+    return await service.respond(request, plan, endpoint, lambda gen: _stream(service, gen),
+                                 lambda pieces, done: _whole(service, plan, pieces, done))
 
 
 def _finish(piece: Piece, reply: Reply) -> str | None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse
 from jinja2 import TemplateError
 
 from ..api import check_k
@@ -384,6 +386,26 @@ class Service:
         except BaseException:
             gen.close()
             raise
+
+    async def respond(self, request: Request, plan: Plan, endpoint: str,
+                      stream: Callable[[Generation], AsyncIterator[bytes]],
+                      whole: Callable[[list[Piece], Done], dict[str, Any]]) -> Response:
+        """Run the plan and answer in the API's format: `stream(generation)` as server-sent
+        events, or `whole(pieces, done)` as one JSON object; 499 when the client left first."""
+        try:
+            gen = await self.start(request, plan, endpoint)
+        except ClientGone:
+            return Response(status_code=499)
+        if plan.stream:
+            gen.stop_watching()  # the SSE response watches its connection from here on
+            return EventSourceResponse(stream(gen))
+        try:
+            pieces, done = await gen.collect()
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            gen.close()
+        return JSONResponse(whole(pieces, done))
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body): 200 and status "ok" while the generation thread runs, else 503
