@@ -130,6 +130,7 @@ def test_policy_prices_probes_with_the_switch_cost_not_sustained_drafting():
     policy.update(0, 0, 1.0)
     policy.update(1, 0, 2.0, catch_up=5.0)  # a probe that also caught the draft up
     assert policy.round_seconds[1] == pytest.approx(2.0) and policy.costs.switch_seconds == 5.0
+    policy.timed.update({k: 2 for k in (1, 2, 3)})  # past a new pair's exploration of k = 1..3
     policy.plain_seconds = 100.0  # budget 2%: 2 s of probing loss allowed
     assert policy.choose(4) == 0  # loss 2 + 5 + 1 - 1.22 > 2: no probe yet
     policy.costs.switch_seconds = 0.0
