@@ -82,7 +82,7 @@ class ToolCallSplitter:
     def __init__(self, fmt: ToolFormat, tools: Sequence[dict[str, Any]] | None = None) -> None:
         self.fmt = fmt
         self.tools = list(tools or [])
-        self.names = {_function(t).get("name") for t in self.tools}
+        self.names = {function_spec(t).get("name") for t in self.tools}
         self.calls: list[ToolCall] = []
         self._pending = ""  # text not released yet
         self._inside = False  # after a start marker
@@ -145,7 +145,7 @@ class ToolCallSplitter:
         return list(calls)
 
 
-def _function(tool: dict[str, Any]) -> dict[str, Any]:
+def function_spec(tool: dict[str, Any]) -> dict[str, Any]:
     """A tool's function spec, from OpenAI's {"type": "function", "function": {...}} shape or a
     bare {"name": ...}."""
     inner = tool.get("function")

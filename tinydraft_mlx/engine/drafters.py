@@ -1,6 +1,6 @@
 """Draft sources behind one small protocol, and the one resolver that turns the user's `draft`
 argument into one: a draft model (a `PrunedDraft` is one too), prompt lookup, both (`Hybrid`:
-each round from whichever has recently been accepted more), or none.
+each round from whichever has recently given more tokens per second), or none.
 
 The decode loop asks a `Drafter` for proposals and never what kind it holds:
 
@@ -158,7 +158,7 @@ class LookupDraft:
         self.index = self.settings.index(seq)
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
-        return _host(self.host_proposal(k) or [], sampling, width)
+        return _host(self.host_proposal(k), sampling, width)
 
     def catch_up(self) -> float:
         return 0.0
@@ -180,8 +180,8 @@ def _host(proposal: list[int], sampling: SamplingParams, width: int | None) -> P
 
 class Hybrid:
     """The `draft` argument for prompt lookup and a draft model together: each round proposes
-    from the n-gram index when it has a match and its proposals have recently been accepted at
-    least as well as the model's, else from the model (see `HybridDraft`)."""
+    from the n-gram index when it has a match and its recent rounds have given at least as many
+    tokens per second as the model's, else from the model (see `HybridDraft`)."""
 
     def __init__(self, model: nn.Module, lookup: PromptLookup | None = None) -> None:
         if not callable(model):

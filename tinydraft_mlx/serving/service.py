@@ -29,7 +29,7 @@ from ..engine.forward import vocab_width
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
 from ..engine.sampling import ParameterError, SamplingParams, check_int
 from ..text import chat_text, check_stop, prompt_ids
-from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, tool_format
+from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
 from .metrics import Metrics
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
@@ -241,7 +241,7 @@ class Service:
             raise bad(spec.name("tools"), "this model's chat template has no tool-call format "
                       "(start the server with a --chat-template that renders tools, such as "
                       "the model family's own)")
-        names = [_function_name(t) for t in tools]
+        names = [function_spec(t).get("name") for t in tools]
         if isinstance(choice, dict):
             wanted = choice.get("name")
             if wanted not in names:
@@ -568,8 +568,3 @@ def check_unicode(value: Any, where: str = "") -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             check_unicode(item, f"{where}[{i}]")
-
-
-def _function_name(tool: dict[str, Any]) -> Any:
-    inner = tool.get("function")
-    return (inner if isinstance(inner, dict) else tool).get("name")
