@@ -144,3 +144,70 @@ def build_wide_draft(root: Path) -> Path:
                 value.copy_(state[name])
     wide.save_pretrained(directory)
     return directory
+
+
+# -- other architectures ------------------------------------------------------------------------
+# Tiny checkpoints of the mlx-lm architectures Mac users run with a standard KV cache. Each family
+# gets a target and a draft (the draft copies the target's first layers), built like the Qwen2
+# pair: a 0.2 init and a sharpened untied head, so greedy paths are diverse with clear margins.
+FAMILIES = ("qwen3", "llama", "mistral", "gemma3")
+GEMMA_WINDOW = 8  # sliding-window layers see 8 positions: every test sequence wraps them
+# seeds whose greedy paths on test_architectures' prompts keep top-1/top-2 margins above 5e-3
+FAMILY_SEEDS = {"qwen3": 2, "llama": 2, "mistral": 1, "gemma3": 1}
+
+
+def _family_config(family: str, layers: int, width: int, eos_id: int):
+    import transformers as tf
+
+    common = dict(vocab_size=width, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=2048, tie_word_embeddings=False,
+                  initializer_range=0.2, eos_token_id=eos_id, bos_token_id=eos_id)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=16, rope_theta=10000.0)
+    if family == "llama":  # Llama 3.x: its RoPE scaling ("llama3") is part of what is checked
+        return tf.LlamaConfig(**common, rope_theta=50000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return tf.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+    if family == "gemma3":  # layers 1-5 of every 6 slide over GEMMA_WINDOW positions, the 6th not
+        return tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
+                                   sliding_window=GEMMA_WINDOW, rope_theta=10000.0,
+                                   rope_local_base_freq=1000.0, final_logit_softcapping=None)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def build_family_pair(root: Path, family: str, seed: int | None = None) -> tuple[Path, Path]:
+    """Write root/<family>/target and root/<family>/draft: same tokenizer, the draft a shallower
+    copy of the target (Gemma 3: 6 layers each, one full-attention layer per 6)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir, draft_dir = root / family / "target", root / family / "draft"
+    build_tokenizer(target_dir)
+    build_tokenizer(draft_dir)
+    eos_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(EOS)
+    layers, draft_layers = (6, 6) if family == "gemma3" else (4, 2)
+    torch.manual_seed(FAMILY_SEEDS[family] if seed is None else seed)
+    target = AutoModelForCausalLM.from_config(_family_config(family, layers, TARGET_WIDTH, eos_id))
+    draft = AutoModelForCausalLM.from_config(_family_config(family, draft_layers, VOCAB, eos_id))
+    target.eval()
+    draft.eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)
+        target.lm_head.weight[eos_id] = 0.0
+        for layer in target.model.layers[2:]:
+            layer.self_attn.o_proj.weight.mul_(0.35)
+            layer.mlp.down_proj.weight.mul_(0.35)
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
+        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+        for i in range(draft_layers):
+            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+        if family == "gemma3":  # the copied layers beyond the first two: damped further
+            for layer in draft.model.layers[2:]:
+                layer.mlp.down_proj.weight.mul_(0.5)
+    target.save_pretrained(target_dir)
+    draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir

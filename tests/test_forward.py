@@ -92,7 +92,7 @@ def test_eager_where_the_compiled_step_does_not_apply(pair):
     class Other(nn.Module):  # an architecture the compiled step does not claim
         def __init__(self):
             super().__init__()
-            self.args = type("Args", (), {"model_type": "llama"})()
+            self.args = type("Args", (), {"model_type": "gemma3_text"})()
             self.inner = target
 
         def __call__(self, inputs, cache=None):

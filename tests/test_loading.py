@@ -132,9 +132,19 @@ def test_first_sentence_is_never_cut_mid_word():
         ("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
         ("mlx-community/Qwen2.5-0.5B-Instruct", None),
         ("meta-llama/Llama-3.2-1B", None),
+        ("mlx-community/Qwen3-8B-4bit", "mlx-community/Qwen3-0.6B-4bit"),
+        ("mlx-community/Qwen3-30B-A3B-Instruct-2507-4bit", "mlx-community/Qwen3-0.6B-4bit"),
+        ("Qwen/Qwen3-0.6B", None),
+        ("mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
+         "mlx-community/Llama-3.2-1B-Instruct-4bit"),
+        ("meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+        ("mlx-community/Meta-Llama-3-8B-Instruct-4bit", None),  # Llama 3.0: other special tokens
+        ("mlx-community/gemma-3-12b-it-qat-4bit", "mlx-community/gemma-3-1b-it-qat-4bit"),
+        ("mlx-community/Mistral-7B-Instruct-v0.3-4bit", None),  # no small sibling shares it
+        ("mlx-community/Qwen3.5-9B-4bit", None),
     ],
 )
-def test_default_draft_for_qwen25(target, draft):
+def test_default_draft_per_family(target, draft):
     assert default_draft(target) == draft
 
 
@@ -148,6 +158,10 @@ def test_default_draft_for_a_local_directory(tmp_path, monkeypatch):
     (tmp_path / "models" / "Qwen2.5-0.5B-Instruct").mkdir()
     assert default_draft("models/Qwen2.5-7B-Instruct") == "models/Qwen2.5-0.5B-Instruct"
     assert default_draft("models/Qwen2.5-0.5B-Instruct") is None
+    (tmp_path / "models" / "Qwen3-8B").mkdir()
+    assert default_draft("models/Qwen3-8B") is None
+    (tmp_path / "models" / "Qwen3-0.6B").mkdir()
+    assert default_draft("models/Qwen3-8B") == "models/Qwen3-0.6B"
 
 
 def test_the_demo_targets_directory_gets_the_demo_draft(tmp_path, monkeypatch):

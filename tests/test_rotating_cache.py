@@ -111,6 +111,12 @@ def test_window_too_small_for_k(pair):
 
 
 def test_model_with_its_own_caches_is_refused_before_work():
-    model = SimpleNamespace(make_cache=lambda: [], layers=[])
+    """A model whose own caches are not plain KV caches (here a sliding-window layer) cannot be
+    bounded; one whose own caches are all plain (mlx-lm's Llama builds them) can."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    model = SimpleNamespace(make_cache=lambda: [KVCache(), RotatingKVCache(16)], layers=[0, 1])
     with pytest.raises(ValueError, match="builds its own caches"):
         make_cache(model, max_kv_size=64)
+    plain = SimpleNamespace(make_cache=lambda: [KVCache(), KVCache()], layers=[0, 1])
+    assert len(make_cache(plain, max_kv_size=64)) == 2

@@ -19,6 +19,7 @@ from mlx_lm import load as mlx_lm_load
 
 from .backend import resolve_dtype, warn_if_slow_blas
 from .engine import skinny
+from .engine.cache import make_cache
 from .engine.distributed import join
 from .engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from .engine.pruning import prune_draft
@@ -26,8 +27,15 @@ from .engine.sampling import ParameterError
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
-_QWEN25 = re.compile(
-    r"^(?P<org>[^/]+)/Qwen2\.5-(?P<family>Coder-)?(?P<size>\d+(?:\.\d+)?)B(?P<rest>.*)$"
+# Each family's default draft: the smallest model of the family that shares its tokenizer, named
+# from the target's own name (publisher, variant and quantization kept), so "mlx-community/
+# Qwen3-8B-4bit" gets "mlx-community/Qwen3-0.6B-4bit". Mistral has no such sibling.
+_FAMILY_DRAFTS = (
+    (re.compile(r"^(Qwen2\.5-(?:Coder-)?)\d+(?:\.\d+)?B(.*)$"), r"\g<1>0.5B\g<2>"),
+    (re.compile(r"^(Qwen3-)\d+(?:\.\d+)?B(?:-A\d+B)?(?:-Instruct-2507|-Thinking-2507)?(.*)$"),
+     r"\g<1>0.6B\g<2>"),
+    (re.compile(r"^(?:Meta-)?Llama-3\.[123]-\d+B(.*)$"), r"Llama-3.2-1B\g<1>"),
+    (re.compile(r"^(gemma-3-)\d+b(.*)$"), r"\g<1>1b\g<2>"),
 )
 
 
@@ -72,17 +80,40 @@ def _first_sentence(text: str, limit: int = 200) -> str:
     return sentence[:limit].rsplit(" ", 1)[0] + " ..."
 
 
-def _rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
-    """Top-level RoPE keys mlx-lm reads, taken from transformers 5's "rope_parameters"."""
+def _config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """What mlx-lm reads at the top level of a config, taken from transformers 5's forms: the RoPE
+    base (and scaling) under "rope_parameters", flat or per layer type (Gemma 3: full attention's
+    base, and the sliding layers' as "rope_local_base_freq"), and the sliding-window period from
+    "layer_types" (mlx-lm would otherwise take its default and silently misplace the layers)."""
     rope = config.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return {}
     overrides: dict[str, Any] = {}
-    if "rope_theta" not in config and "rope_theta" in rope:
-        overrides["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
-        overrides["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        local = rope.get("sliding_attention")
+        if isinstance(local, dict) and "rope_local_base_freq" not in config \
+                and "rope_theta" in local:
+            overrides["rope_local_base_freq"] = local["rope_theta"]
+        rope = rope["full_attention"]
+    if isinstance(rope, dict):
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key not in config and key in rope:
+                overrides[key] = rope[key]
+        if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+            overrides["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    period = _sliding_period(config.get("layer_types"))
+    if period is not None and "sliding_window_pattern" not in config:
+        overrides["sliding_window_pattern"] = period
     return overrides
+
+
+def _sliding_period(layer_types: Any) -> int | None:
+    """p when every p-th layer is full attention and the others slide (Gemma 3's pattern)."""
+    if not isinstance(layer_types, list) or "sliding_attention" not in layer_types \
+            or "full_attention" not in layer_types:
+        return None
+    p = layer_types.index("full_attention") + 1
+    pattern = ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
+               for i in range(len(layer_types))]
+    return p if pattern == layer_types else None
 
 
 def load_model(name: str | Path, dtype: str | mx.Dtype | None = None,
@@ -100,9 +131,10 @@ def load_model(name: str | Path, dtype: str | mx.Dtype | None = None,
         raise ModelLoadError(f"{str(name)!r} has no config.json: not a model checkpoint")
     config = json.loads(config_file.read_text())
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=_rope_overrides(config), lazy=True)
+        model, tokenizer = mlx_lm_load(str(path), model_config=_config_overrides(config), lazy=True)
     except (FileNotFoundError, ValueError) as err:
         raise ModelLoadError(f"could not load {str(name)!r}: {err}") from None
+    _refuse_without_rollback(model, name)
     if group is not None:
         if not hasattr(model, "shard"):
             raise ModelLoadError(f"{str(name)!r}: mlx-lm cannot shard a {type(model).__name__} "
@@ -113,6 +145,21 @@ def load_model(name: str | Path, dtype: str | mx.Dtype | None = None,
     for _, weight in tree_flatten(model.parameters()):
         mx.eval(weight)  # one tensor at a time: its stored copy is freed before the next is read
     return model, tokenizer
+
+
+def _refuse_without_rollback(model: nn.Module, name: str | Path) -> None:
+    """ModelLoadError for an architecture whose caches cannot roll back a rejected draft (hybrid
+    linear-attention or state-space layers, e.g. Qwen3.5 / Qwen3-Next, Mamba): they would need
+    snapshots of their recurrent state, which the engine does not take."""
+    try:
+        make_cache(model)
+    except ValueError as err:
+        kind = getattr(getattr(model, "args", None), "model_type", None) or type(model).__name__
+        raise ModelLoadError(
+            f"{str(name)!r} ({kind}) cannot be decoded speculatively: {err}. Rolling back a "
+            "rejected draft would need snapshots of that state, which tinydraft-mlx does not "
+            "take (a known limit); run this model with mlx-lm"
+        ) from None
 
 
 def _hf_tokenizer(tokenizer: Any) -> Any:
@@ -144,20 +191,28 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
 
 def default_draft(target: str | Path | None) -> str | None:
     """The draft to use when none is named: the bundled demo draft for the demo target (None, or
-    its directory); for a
-    Qwen2.5 hub id, the Qwen2.5-0.5B of the same publisher, family and suffix; for a local
-    Qwen2.5 directory, that 0.5B name as a sibling directory if one exists; else None."""
+    its directory); for a Qwen2.5, Qwen3, Llama 3.x or Gemma 3 hub id, the family's small model
+    of the same publisher, variant and suffix (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B,
+    gemma-3-1b); for a local directory, that name as a sibling directory if one exists; else
+    None. Loading still refuses a draft whose tokenizer differs from the target's."""
     local = Path(target).expanduser() if target is not None else None
     if local is None or (local.exists() and local.resolve() == (DEMO_DIR / "target").resolve()):
         return str(DEMO_DIR / "draft")  # the demo target, by default or by its directory
-    m = _QWEN25.match(str(target) if not local.exists() else f"local/{local.name}")
-    if m is None or m["size"] == "0.5":
+    org, _, name = (f"local/{local.name}" if local.exists() else str(target)).rpartition("/")
+    if not local.exists() and not _looks_like_hub_id(str(target)):
         return None
-    name = f"Qwen2.5-{m['family'] or ''}0.5B{m['rest']}"
+    for pattern, draft in _FAMILY_DRAFTS:
+        if pattern.match(name):
+            sibling = pattern.sub(draft, name)
+            break
+    else:
+        return None
+    if sibling == name:
+        return None  # the target is itself the family's smallest model
     if not local.exists():
-        return f"{m['org']}/{name}"
-    sibling = local.parent / name
-    return str(sibling) if sibling.is_dir() else None
+        return f"{org}/{sibling}"
+    path = local.parent / sibling
+    return str(path) if path.is_dir() else None
 
 
 def no_draft_notice(target: str | Path | None) -> str:

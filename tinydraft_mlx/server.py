@@ -30,7 +30,7 @@ from fastapi import FastAPI
 
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cli import flag_message
-from .engine.cache import KEEP
+from .engine.cache import KEEP, standard_layers
 from .engine.drafters import HYBRID, resolve_drafter
 from .engine.lookup import NO_DRAFT
 from .engine.sampling import ParameterError, SamplingParams, check_int
@@ -140,9 +140,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     model, default_draft = drafter.model, drafter.name
     if model is not None and args.hybrid:
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
+    max_batch = args.max_batch
+    if max_batch > 1 and not all(standard_layers(m) for m in (target, model) if m is not None):
+        print("the model has sliding-window layers, which batches do not hold: requests run one "
+              "at a time (--max-batch 1)", file=sys.stderr)
+        max_batch = 1
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
                     cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue,
-                    max_batch=args.max_batch)
+                    max_batch=max_batch)
     name = args.model_name or args.target or "tinydraft-demo"
     defaults = Defaults(k=args.k, draft=default_draft, max_tokens=args.max_tokens,
                         temperature=args.temp)

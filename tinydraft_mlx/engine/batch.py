@@ -43,7 +43,7 @@ import mlx.nn as nn
 
 from ..backend import generation_stream
 from .batch_cache import BatchCache
-from .cache import KEEP, Cache, cache_length, make_cache, rollback
+from .cache import KEEP, Cache, cache_length, make_cache, rollback, standard_layers
 from .distributed import ranks_of
 from .drafters import (
     HYBRID,
@@ -178,6 +178,11 @@ class BatchDecoder:
         if ranks_of(target) is not None:
             raise ValueError("a tensor-parallel target decodes one sequence at a time "
                              "(generate / stream_generate); it is not batched")
+        for name, model in (("target", target), ("draft", draft)):
+            if model is not None and not standard_layers(model):
+                raise ValueError(f"the {name} has sliding-window or recurrent layers; batches "
+                                 "hold standard attention layers only: decode it one sequence "
+                                 "at a time (generate / stream_generate)")
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         margin = max_k + 1

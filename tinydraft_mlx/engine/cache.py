@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 Cache = list[Any]  # one cache object per layer
 
@@ -23,20 +23,35 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None, margin: int = 1
     a rollback margin of `margin` slots (use >= k + 1). Raises ValueError if the model's cache
     cannot be rolled back."""
     if max_kv_size is not None:
-        if hasattr(model, "make_cache"):
+        if not standard_layers(model):
             raise ValueError(
                 "max_kv_size needs a model made of standard attention layers; this model builds "
-                "its own caches"
+                "its own caches (sliding-window or recurrent layers)"
             )
         n_layers = len(model.layers)
         return [RollbackRotatingKVCache(max_kv_size, KEEP, margin) for _ in range(n_layers)]
-    cache = make_prompt_cache(model)
+    cache = [_rollback_able(layer, margin) for layer in make_prompt_cache(model)]
     if not all(c.is_trimmable() for c in cache):
         kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
         raise ValueError(
-            f"speculative decoding needs caches that can roll back; this model uses {kinds}"
+            f"speculative decoding needs caches that can roll back; this model uses {kinds} "
+            "(recurrent or state-space layers keep a state that cannot be rolled back)"
         )
     return cache
+
+
+def standard_layers(model: nn.Module) -> bool:
+    """Whether every layer of `model` keeps a plain, unbounded KV cache (no sliding window, no
+    recurrent state): what bounded caches and batches are built for."""
+    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+
+
+def _rollback_able(layer: Any, margin: int) -> Any:
+    """mlx-lm's `RotatingKVCache` (sliding-window layers, e.g. Gemma 3's) cannot roll back once it
+    has wrapped, so it becomes a `RollbackRotatingKVCache` of the same window; others stay."""
+    if type(layer) is RotatingKVCache:
+        return RollbackRotatingKVCache(layer.max_size, layer.keep, margin)
+    return layer
 
 
 def cache_length(cache: Cache) -> int:

@@ -18,9 +18,10 @@ Same arithmetic as the eager forward up to float rounding (the masked tail contr
 zero; max |logit difference| 5.7e-6 on logits up to 10, float32, over 150 random steps with
 rollbacks). The model's parameters are inputs of the compiled step, read at every call, so
 weights changed after a trace (`model.update`, fused adapters) are used as the eager forward uses
-them. Used for Qwen2 models (the architecture the tests check) on one process with
-unbounded caches; everything else (other architectures, bounded or quantized caches,
-tensor-parallel ranks, TINYDRAFT_COMPILE=0) runs the eager forward.
+them. Used for Qwen2, Qwen3, Llama and Mistral models (the architectures the tests check against
+the oracle, tests/test_architectures.py) on one process with unbounded caches; everything else
+(other architectures such as Gemma 3, bounded or quantized caches, tensor-parallel ranks,
+TINYDRAFT_COMPILE=0) runs the eager forward.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from .cache import Cache
 from .distributed import ranks_of
 
 COMPILE_ENV = "TINYDRAFT_COMPILE"
-SUPPORTED = frozenset({"qwen2"})  # attention reads the cache only through offset/update/mask
+# architectures whose attention reads the cache only through offset / update_and_fetch / make_mask
+SUPPORTED = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 MIN_BUFFER = 256
 LINEAR_BUFFER = 4096  # beyond this, buffers grow by this much instead of doubling
 _STATE = "_tinydraft_forward"  # per model: {kernel set name: _Compiled or False}
@@ -64,7 +66,7 @@ def buffer_size(need: int) -> int:
 
 class _Slot:
     """One layer's cache as the compiled step sees it: the whole buffer, the write position as
-    an array. Speaks the part of mlx-lm's cache protocol that Qwen2 attention uses."""
+    an array. Speaks the part of mlx-lm's cache protocol that SUPPORTED attention uses."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
         self.keys, self.values, self.offset = keys, values, offset

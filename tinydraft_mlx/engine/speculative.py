@@ -214,9 +214,10 @@ def _start(target, draft, prompt, k, max_tokens, sampling, eos_token_ids, target
     """The generation's state and the draft model's cache (made where missing), checked."""
     drafter = resolve_drafter(draft)
     model = drafter.model
-    target_cache = make_cache(target) if target_cache is None else target_cache
+    margin = max_draft_length(drafter, k) + 1  # sliding-window layers roll back this far
+    target_cache = make_cache(target, margin=margin) if target_cache is None else target_cache
     if model is not None and draft_cache is None:
-        draft_cache = make_cache(model)
+        draft_cache = make_cache(model, margin=margin)
     draft_cache = draft_cache if model is not None else None
     for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
         if cache is not None and cache_length(cache) > len(prompt) - 1:

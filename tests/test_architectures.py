@@ -1,0 +1,228 @@
+"""Beyond Qwen2: the mlx-lm architectures Mac users run with a standard KV cache decode exactly.
+
+For Qwen3, Llama 3.x (with its "llama3" RoPE scaling), Mistral and Gemma 3 a tiny target/draft
+pair is built at test time with transformers 5 (tests/fixtures.py) and loaded through
+`load_models`. Greedy speculative output equals the transformers CPU fp32 oracle token for token,
+for k in {1, 3, 6}, on paths with clear top-1/top-2 margins. Qwen3, Llama and Mistral run the
+compiled decode forward (checked: it traced); Gemma 3's sliding-window layers (window 8, shorter
+than every sequence here) keep bounded caches that must roll back after they wrap, and a control
+shows that mlx-lm's own rotating cache, which cannot, gives a wrong output on the same path.
+One family (Llama) is also checked sampled: the joint of its first two tokens against the oracle.
+Architectures whose caches cannot roll back (recurrent / linear-attention layers) are refused at
+load time with a message that names the reason.
+"""
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.fixtures import FAMILIES, GEMMA_WINDOW, VOCAB, build_family_pair, build_tokenizer
+from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tinydraft_mlx import PromptCache, batch_generate, generate, load_models
+from tinydraft_mlx.engine import cache as cache_module
+from tinydraft_mlx.engine.batch import BatchDecoder
+from tinydraft_mlx.engine.cache import RollbackRotatingKVCache, make_cache
+from tinydraft_mlx.engine.forward import SUPPORTED, traces
+from tinydraft_mlx.loading import ModelLoadError, load_model
+
+pytestmark = pytest.mark.usefixtures("cpu_fp32")
+
+PROMPTS = [
+    "def parse_args(self, args=None, namespace=None):\n    if args is None:",
+    "import os\nimport sys\n\nclass Encoder(object):\n    def",
+]
+NEW_TOKENS = 40
+MIN_MARGIN = 1e-3  # frameworks agree to ~1e-5 in fp32; a greedy match is meaningful above this
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """family -> (target dir, draft dir, (target, draft, tokenizer) loaded in float32)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family in FAMILIES:
+        target, draft = build_family_pair(root, family)
+        out[family] = (target, draft, load_models(str(target), str(draft), dtype="float32"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(families):
+    """family -> [(prompt ids, the oracle's greedy continuation)], each a meaningful reference."""
+    from tests.oracle import Oracle
+
+    refs = {}
+    for family, (target_dir, _, (_, _, tok)) in families.items():
+        oracle = Oracle(target_dir)
+        refs[family] = []
+        for text in PROMPTS:
+            ids = tok.encode(text)
+            ref, margin = oracle.greedy(ids, NEW_TOKENS)
+            assert len(set(ref)) >= 8, f"{family}: degenerate reference {ref}"
+            assert margin > MIN_MARGIN, f"{family}: near-tie on the path ({margin:.2e})"
+            refs[family].append((ids, ref))
+    return refs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_equals_the_oracle(families, references, family):
+    target, draft, tok = families[family][2]
+    accepted = drafted = 0
+    for k in (1, 3, 6):
+        for ids, ref in references[family]:
+            out, stats = generate(target, draft, tok, ids, k=k, max_tokens=NEW_TOKENS)
+            assert out == ref, (family, k, tok.decode(ids))
+            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    assert 0 < accepted < drafted, (accepted, drafted)  # both paths: accepted and rejected drafts
+    if family in SUPPORTED:
+        assert traces(target) > 0 and traces(draft) > 0  # the compiled decode forward ran
+    else:
+        assert traces(target) == 0
+
+
+def _after_a_rejected_chain(target, ids, extra):
+    """Logits of the last token after a draft-like history: the prompt prefilled, `extra` fed one
+    token at a time, all but the first rolled back, then the second fed again."""
+    from tinydraft_mlx.engine.cache import rollback
+    from tinydraft_mlx.engine.forward import prefill
+
+    cache = make_cache(target, margin=8)
+    prefill(target, cache, ids)
+    for token in extra:
+        target(mx.array([[token]]), cache=cache)
+    rollback(cache, len(ids) + 1)
+    return np.array(target(mx.array([[extra[1]]]), cache=cache)[0, -1], dtype=np.float64), cache
+
+
+def test_gemma3_sliding_layers_roll_back_after_they_wrap(families, references, monkeypatch):
+    """The sliding layers get rollback-able bounded caches of the model's window: after single
+    steps that wrapped the ring and a rollback, the next logits are the oracle's. With mlx-lm's
+    `RotatingKVCache` (what the model asks for: it overwrites the oldest slot in place, so a
+    rollback after a wrap loses positions still inside the window) they are not, which is what
+    this test would catch."""
+    from tests.oracle import Oracle
+
+    target_dir, _, (target, _, tok) = families["gemma3"]
+    ids, ref = references["gemma3"][0]
+    assert len(ids) > 2 * GEMMA_WINDOW
+    extra = ref[:6]
+    expected = Oracle(target_dir).logits(ids + extra[:2])[-1]
+    ours, cache = _after_a_rejected_chain(target, ids, extra)
+    sliding = [c for c in cache if isinstance(c, RollbackRotatingKVCache)]
+    assert len(sliding) == 5 and {c.window for c in sliding} == {GEMMA_WINDOW}
+    assert np.abs(ours - expected).max() < 1e-4
+    monkeypatch.setattr(cache_module, "_rollback_able", lambda layer, margin: layer)
+    theirs, _ = _after_a_rejected_chain(target, ids, extra)
+    assert np.abs(theirs - expected).max() > 1e-2
+
+
+def test_gemma3_is_refused_in_batches_and_bounded(families):
+    target, draft, _ = families["gemma3"][2]
+    with pytest.raises(ValueError, match="sliding-window or recurrent layers"):
+        BatchDecoder(target, draft)
+    with pytest.raises(ValueError, match="max_kv_size needs a model made of standard attention"):
+        make_cache(target, max_kv_size=64)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_batches_and_bounded_caches_of_other_families(families, references, family):
+    """A batch of three (two oracle prompts and a short one ending early) equals each prompt
+    alone; Llama and Qwen3 also take bounded caches (their own caches are standard)."""
+    target, draft, tok = families[family][2]
+    (a, ref_a), (b, ref_b) = references[family]
+    short = tok.encode("x = 1")
+    alone = generate(target, draft, tok, short, k=3, max_tokens=9)[0]
+    outs = batch_generate(target, draft, tok, [a, short, b], k=3, max_tokens=[NEW_TOKENS, 9,
+                                                                             NEW_TOKENS])
+    assert [o[0] for o in outs] == [ref_a, alone, ref_b]
+    bounded = generate(target, draft, tok, a, k=3, max_tokens=NEW_TOKENS, max_kv_size=256)[0]
+    assert bounded == ref_a  # a window longer than the sequence: exactly the unbounded output
+
+
+def _two_step(logits_of, ids, **warp_kw):
+    p1 = warp_np(logits_of(ids)[-1], **warp_kw)
+    joint = {}
+    for a in np.flatnonzero(p1):
+        p2 = warp_np(logits_of(ids + [int(a)])[-1], **warp_kw)
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return joint
+
+
+def test_llama_sampled_first_two_tokens_follow_the_oracle(families):
+    """At T = 1, top-p 0.8, k = 2: 2000 seeds' first two tokens against the oracle's exact joint
+    (tests/reference.py's warp). Bound as test_sampling_exactness: Pearson chi-square against the
+    1 - 3.2e-5 quantile; the same samples scored against the joint without top-p must fail it."""
+    from tests.oracle import Oracle
+
+    target_dir, _, (target, draft, tok) = families["llama"]
+    oracle = Oracle(target_dir)
+    ids = tok.encode("def parse_args(self, args=None):")
+    warp_kw = dict(temperature=1.0, top_p=0.8)
+    exact = _two_step(oracle.logits, ids, **warp_kw)
+    wrong = _two_step(oracle.logits, ids, temperature=1.0)
+    assert 10 < len(exact) < 2000
+    n = 2000
+    counts, from_draft = Counter(), Counter()
+    cache = PromptCache(target, draft)
+    for seed in range(n):
+        out, stats = generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed,
+                              prompt_cache=cache, **warp_kw)
+        counts[tuple(out[:2])] += 1
+        from_draft[stats.accepted] += 1
+    assert from_draft[0] > 0 and from_draft[1] + from_draft[2] > 0, from_draft
+    stat, df = chi2_statistic(counts, exact, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
+    assert wrong_stat > chi2_threshold(wrong_df)
+
+
+def test_a_model_whose_caches_cannot_roll_back_is_refused_at_load(tmp_path):
+    """A hybrid linear-attention model (Qwen3-Next, as Qwen3.5): its recurrent state has no
+    rollback, so loading it names the architecture and the reason instead of decoding wrongly."""
+    import torch
+    import transformers as tf
+
+    directory = tmp_path / "qwen3_next"
+    build_tokenizer(directory)
+    config = tf.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        full_attention_interval=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    with pytest.raises(ModelLoadError) as err:
+        load_model(directory)
+    message = str(err.value)
+    assert "qwen3_next" in message and "ArraysCache" in message and "roll" in message
+    assert "snapshots" in message and "\n" not in message
+    with pytest.raises(ModelLoadError, match="qwen3_next"):
+        load_models(str(directory), "none")
+    mx.clear_cache()
+
+
+def test_gemma3_prompt_cache_reuse_and_the_server_runs_it_one_at_a_time(families, references,
+                                                                        capsys):
+    """A prompt cache over mixed layers (full and sliding) is reused exactly; the server, whose
+    batches hold standard layers only, says so and serves such a model one request at a time."""
+    from tinydraft_mlx import server
+
+    target_dir, draft_dir, (target, draft, tok) = families["gemma3"]
+    (ids, ref), (other, other_ref) = references["gemma3"]
+    cache = PromptCache(target, draft)
+    cached = []
+    for prompt, expected in [(ids, ref), (ids, ref), (other, other_ref)]:
+        out, stats = generate(target, draft, tok, prompt, k=3, max_tokens=NEW_TOKENS,
+                              prompt_cache=cache)
+        assert out == expected
+        cached.append(stats.cached_tokens)
+    assert cached[0] == 0 and cached[1] == len(ids) - 1, cached
+    args = server.setup_arg_parser().parse_args(
+        ["--target", str(target_dir), "--draft", str(draft_dir), "--max-batch", "8"])
+    app = server.build_app(args)
+    assert app.state.service.worker.max_batch == 1
+    assert "sliding-window layers" in capsys.readouterr().err
