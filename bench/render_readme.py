@@ -1,4 +1,4 @@
-"""Render the README's results tables from results/*.json (between the RESULTS markers).
+"""Render the results tables of results/README.md from results/*.json (between the markers).
 
     python bench/render_readme.py
 """
@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +16,31 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 def _load(name: str) -> dict | None:
     path = ROOT / "results" / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def demo_retrain(r: dict) -> list[str]:
+    old, new = r["old"], r["new"]
+    lines = [
+        f"**Demo pair retrained on code + chat + edits** (`{r['command']}`, "
+        f"{r['seconds']['total'] / 60:.0f} min on {r['machine']['threads']} CPU threads; "
+        f"{r['corpus']['chat_exchanges']} chat and {r['corpus']['editing_exchanges']} editing "
+        "exchanges built from the training files; held-out sets from the held-out files; "
+        "[json](results/demo_retrain.json), [plot](results/demo_retrain.png)); old pair -> new",
+        "",
+        "| held-out set | target loss (nats) | draft acceptance sum(min(p, q)), T = 1 | "
+        "draft/target greedy agreement |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in old["held_out_loss_nats"]:
+        lines.append(
+            f"| {name} | {old['held_out_loss_nats'][name]:.3f} -> "
+            f"{new['held_out_loss_nats'][name]:.3f} | {old['acceptance_t1'][name]:.3f} -> "
+            f"{new['acceptance_t1'][name]:.3f} | {old['greedy_agreement'][name]:.3f} -> "
+            f"{new['greedy_agreement'][name]:.3f} |")
+    lines += ["", f"Copy accuracy (the target's top-1 on the answer of held-out editing "
+                  f"exchanges, teacher-forced): {old['copy_accuracy']:.3f} -> "
+                  f"{new['copy_accuracy']:.3f}."]
+    return lines
 
 
 def demo_quality(r: dict) -> list[str]:
@@ -462,6 +488,7 @@ def main() -> None:
     parts = []
     for name, render in [
         ("demo_training", demo_training),
+        ("demo_retrain", demo_retrain),
         ("demo_quality", demo_quality),
         ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
         ("demo_pair", best_k),
@@ -488,11 +515,14 @@ def main() -> None:
             for row in prompt_cache(data)]
     if rows:
         parts += PROMPT_CACHE_HEAD + rows + [""]
-    readme = ROOT / "README.md"
+    readme = ROOT / "results" / "README.md"
     text = readme.read_text()
     head, rest = text.split(START)
     _, tail = rest.split(END)
-    readme.write_text(head + START + "\n" + "\n".join(parts) + END + tail)
+    body = "\n".join(parts)
+    # links are written from the repository's root: this page lives in results/
+    body = re.sub(r"\]\(results/", "](", body).replace("](docs/", "](../docs/")
+    readme.write_text(head + START + "\n" + body + END + tail)
 
 
 if __name__ == "__main__":

@@ -533,6 +533,8 @@ def test_page_streams_and_colours_draft_tokens(served, models):
     from tests.browser import Page, find_chromium
 
     if find_chromium() is None:
+        if os.environ.get("TINYDRAFT_REQUIRE_BROWSER") == "1":  # CI installs it (.ci/run)
+            pytest.fail("TINYDRAFT_REQUIRE_BROWSER=1 but chromium is not installed")
         pytest.skip("chromium is not installed (apt install chromium): the page is not loaded")
     pytest.importorskip("websockets", reason="the browser test drives chromium over websockets")
     text, _ = reference(models, "def parse_args(", 48)

@@ -1,7 +1,7 @@
 """OpenAI's wire format, as the server speaks it: pydantic request models, the error body, and the
 JSON of responses, stream chunks, tool calls and usage.
 
-Knows nothing about models or HTTP. Extensions beyond OpenAI's fields (documented in the README):
+Knows nothing about models or HTTP. Extensions beyond OpenAI's fields (documented in docs/guide.md):
 requests take `num_draft_tokens` (int or "auto"), `draft` ("model", "prompt-lookup", "hybrid",
 "none"), `top_k`, `min_p` and `repetition_penalty`; `usage.speculative` reports acceptance; every
 choice (streamed or not) carries `tinydraft: {"token_ids": [...], "from_draft": [...]}`, which of
