@@ -70,8 +70,9 @@ def test_out_of_range_names_parameter_range_and_value(field, value, allowed):
 def test_sampling_order_differs_from_mlx_lm_as_documented():
     """The guide's example (docs/guide.md): ours warps temperature -> top-k -> top-p -> min-p;
     mlx-lm filters at temperature 1, then divides by the temperature. Logits [2, 1, 0], T = 0.5,
-    top_p = 0.7: ours keeps token 0 only (0.87 of the mass at T = 0.5); mlx-lm keeps 0 and 1 and gives token 1
-    probability 0.12. And top-k = 1 with a tie: both keep exactly one of the tied tokens."""
+    top_p = 0.7: ours keeps token 0 only (0.87 of the mass at T = 0.5); mlx-lm keeps 0 and 1 and
+    gives token 1 probability 0.12. And top-k = 1 with a tie: both keep exactly one of the tied
+    tokens."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
     logits = mx.array([2.0, 1.0, 0.0])
