@@ -59,7 +59,15 @@ def test_demo_pair_quick_is_exact(report_file, tmp_path, capsys):
     assert "result: EXACT" in out and "recommended: " in out
 
 
-def test_fixtures_with_several_drafts(checkpoints, report_file):
+def test_fixtures_with_several_drafts(checkpoints, pair, report_file, tmp_path, monkeypatch):
+    """Also: what the check measured becomes k="auto"'s policy file entry for each drafting
+    draft (round costs of every k it timed and of plain rounds, acceptance per position), which a
+    new process's policy for the pair starts from."""
+    from tinydraft_mlx.engine import policy, policy_store
+
+    policy_file = tmp_path / "policies.json"
+    monkeypatch.setenv("TINYDRAFT_POLICY_FILE", str(policy_file))
+    monkeypatch.setattr(policy, "_SHARED", {})
     assert main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
                  "--draft", "prompt-lookup", "--draft", "none", "--quick", "--top-p", "0.9",
                  "--json", str(report_file)]) == 0
@@ -78,6 +86,24 @@ def test_fixtures_with_several_drafts(checkpoints, report_file):
         assert (report["recommended"]["draft"], report["recommended_k"]) == ("none", 0)
     assert report["drafts"][0]["sampling"]["first_token_paths"].keys() == {"accepted",
                                                                           "resampled"}
+    entries = json.loads(policy_file.read_text())["entries"]
+    assert len(entries) == 2  # the draft model and prompt lookup; plain decoding has none
+    target, draft, _ = pair  # the same checkpoints: the same fingerprints
+    model_entry = entries[policy_store.pair_key(target, draft)]
+    costs = model_entry["costs"]
+    assert set(costs["round_seconds"]) == {"0", "1", "2", "4", "8"}
+    per_k = report["drafts"][0]["greedy"]["per_k"]
+    for k in ("1", "2", "4", "8"):
+        assert costs["round_seconds"][k] == pytest.approx(per_k[k]["round_ms"] / 1000)
+        assert costs["timed"][k] == per_k[k]["rounds"] > 0
+    greedy = model_entry["regimes"]["[0.0, 1.0, 0, 0.0]"]
+    assert greedy["accepted"][0] == sum(per_k[k]["position_accepted"][0] for k in per_k)
+    assert len(model_entry["regimes"]) == 2  # greedy and the check's top-p 0.9
+    # a new process (no pair in memory) starts from the entry
+    monkeypatch.setattr(policy, "_SHARED", {})
+    fresh = policy.shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0))
+    assert fresh.round_seconds == {int(k): v for k, v in costs["round_seconds"].items()}
+    assert fresh.accepted[0] > 0
 
 
 def test_a_correction_from_p_fails_the_sampling_check(monkeypatch, report_file, capsys):

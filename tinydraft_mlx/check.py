@@ -18,6 +18,10 @@ For each draft (a model, "prompt-lookup" or "none"):
    curve that does not rise with n (a busy machine: t_v(4) = 113 ms after t_v(3) = 2.5 ms was
    seen) is flagged and predicts nothing.
 
+What it measured for each drafting draft (round costs per k, acceptance per position) is written
+to `k="auto"`'s policy file as that pair's entry (see engine/policy_store.py), so a checked pair
+starts informed in the next process.
+
 Every forward runs on the generation stream the decode loop uses (a second stream means a second
 thread calling the BLAS on the CPU, which distorts every figure after it).
 
@@ -47,6 +51,7 @@ from .backend import active_blas, device_name, generation_stream
 from .engine.cache import make_cache, rollback
 from .engine.drafters import draft_model, resolve_drafter
 from .engine.forward import forward, prefill
+from .engine.policy import AUTO_MAX_K, record_rounds, sampling_regime
 from .engine.sampling import ParameterError, SamplingParams, check_int, warp
 from .loading import ModelLoadError, default_draft, load_draft, load_models
 from .prompt_cache import PromptCache
@@ -209,6 +214,10 @@ def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) ->
             "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
             "per_position": [h / r if r else None for h, r in zip(hits[k], reached[k])],
             "round_ms": 1000 * t["seconds"] / max(1, t["rounds"]),
+            "rounds": t["rounds"],
+            "plain_tokens": t["plain_tokens"],
+            "position_accepted": hits[k],
+            "position_reached": reached[k],
         }
     return out
 
@@ -261,7 +270,8 @@ def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k)
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
         _add_positions(hits, reached, stats)
     return {"acceptance": accepted / drafted if drafted else 0.0,
-            "per_position": [h / r if r else None for h, r in zip(hits, reached)]}
+            "per_position": [h / r if r else None for h, r in zip(hits, reached)],
+            "position_accepted": hits, "position_reached": reached}
 
 
 # -- one draft ------------------------------------------------------------------------------------
@@ -304,6 +314,31 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
         "predicted_speedup": predicted,
         "measured_speedup": {k: greedy["per_k"][k]["speedup"] for k in args.ks},
     }
+
+
+def save_policy_entry(target, draft, result: dict, sampling: SamplingParams) -> None:
+    """What the check measured for a drafting draft, written to `k="auto"`'s policy file as the
+    pair's entry (round costs per k from the greedy runs, R(0) from the plain runs beside them;
+    per-position acceptance greedy and at the user's settings), so that a checked pair starts
+    informed in the next process. Nothing is written when the policy file is off."""
+    drafter = resolve_drafter(draft)
+    if not drafter.drafts:
+        return
+    per_k = result["greedy"]["per_k"]
+    rounds = {k: (v["round_ms"] / 1000, v["rounds"]) for k, v in per_k.items()}
+    first = next(iter(per_k.values()))
+    if first["plain_tokens_per_second"] > 0:
+        rounds[0] = (1 / first["plain_tokens_per_second"], first["plain_tokens"])
+    hits, reached = [0.0] * AUTO_MAX_K, [0.0] * AUTO_MAX_K
+    for v in per_k.values():
+        for i, (a, r) in enumerate(zip(v["position_accepted"], v["position_reached"])):
+            if i < AUTO_MAX_K:
+                hits[i], reached[i] = hits[i] + a, reached[i] + r
+    record_rounds(target, drafter.policy_key, sampling_regime(SamplingParams()), rounds, hits,
+                  reached)
+    sampled = result["acceptance"]["sampled"]
+    record_rounds(target, drafter.policy_key, sampling_regime(sampling), {},
+                  sampled["position_accepted"], sampled["position_reached"])
 
 
 def recommend(results: list[dict]) -> dict[str, Any]:
@@ -389,6 +424,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     measured = target_costs(target, prompts[0], max(args.ks), args.repeats)
     results = [check_draft(name, target, d, tok, prompts, refs, args, sampling, tolerance,
                            measured) for name, d in zip(names, drafts)]
+    for d, result in zip(drafts, results):
+        save_policy_entry(target, d, result, sampling)
     return {
         "target": args.target or "bundled demo target",
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "ks": args.ks,

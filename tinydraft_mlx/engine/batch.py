@@ -62,6 +62,7 @@ from .policy import (
     DraftLengthPolicy,
     batch_costs,
     choose_for_batch,
+    sampling_regime,
     save_policy,
     shared_policy,
 )
@@ -376,9 +377,8 @@ class BatchDecoder:
             if row.model and target_time > 1e-3:
                 ratio = max(0.0, row.stats.prefill_seconds - target_time) / target_time
                 self.draft_ratio = min(1.0, ratio)
-            s = row.sampling
             row.policy = shared_policy(self.target, row.drafter.policy_key, self.draft_ratio,
-                                       (s.temperature, s.top_p, s.top_k, s.min_p))
+                                       sampling_regime(row.sampling))
             row.stats.policy = row.policy
 
     # -- a round -----------------------------------------------------------------------------

@@ -320,6 +320,29 @@ def save_policy(policy: DraftLengthPolicy | None, force: bool = False) -> None:
         pair.save(force)
 
 
+def sampling_regime(sampling: Any) -> tuple:
+    """The regime a pair's acceptance is learned for: (temperature, top-p, top-k, min-p)."""
+    return (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+
+
+def record_rounds(target: object, draft: object, regime: Hashable,
+                  rounds: dict[int, tuple[float, int]], accepted: list[float],
+                  reached: list[float]) -> None:
+    """Book rounds measured at fixed k outside `k="auto"` (`python -m tinydraft_mlx.check`) as
+    the pair's policy would have: per k (0: plain) the mean seconds of a round and how many were
+    timed, per draft position at `regime` the accepted / reached counts; then save the pair's
+    policy file entry, so that the next process starts from them."""
+    policy = shared_policy(target, draft, 0.25, regime)
+    for k, (seconds, timed) in rounds.items():
+        if seconds > 0 and timed > 0:
+            policy.round_seconds[k] = seconds
+            policy.timed[k] += timed
+    for i in range(min(policy.k_max, len(accepted), len(reached))):
+        policy.accepted[i] += accepted[i]
+        policy.rejected[i] += max(0.0, reached[i] - accepted[i])
+    save_policy(policy, force=True)
+
+
 def _store_key(target: object, draft: object) -> str | None:
     if policy_store.policy_path() is None:
         return None

@@ -35,7 +35,7 @@ from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter
 from .forward import PREFILL_STEP, forward, prefill, traces, vocab_width
-from .policy import AUTO, DraftLengthPolicy, save_policy, shared_policy
+from .policy import AUTO, DraftLengthPolicy, sampling_regime, save_policy, shared_policy
 from .rejection import greedy_accept, speculative_accept
 from .sampling import Processor, SamplingParams, process_logits, sample_rows, warp
 from .stats import GenerationStats
@@ -260,9 +260,8 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
     if k == AUTO and g.drafter.drafts:  # acceptance is learned per sampling regime
         draft_prefill = g.stats.prefill_seconds - target_prefill
         ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
-        s = g.sampling
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
-                                 (s.temperature, s.top_p, s.top_k, s.min_p))
+                                 sampling_regime(g.sampling))
         g.stats.policy = g.policy
 
 
