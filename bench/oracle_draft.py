@@ -45,3 +45,37 @@ class OracleDraft:
                             .astype(logits.dtype))
         # the output must still depend on the forward pass, or lazy evaluation would skip its cost
         return mx.depends([mx.stack(rows, axis=1)], [logits])[0]
+
+
+class BatchOracleDraft(OracleDraft):
+    """The same for a batch whose rows all decode one prompt (so one reference serves every
+    row): each row draws its own decisions, a pure function of (seed, row, position), so rows
+    accept different numbers of drafts (ragged rollback, as real batches) and a row re-drafting a
+    position gets the same proposal. Called with a `BatchCache`'s layers (B rows, each at its own
+    length) or, while a row prefills, with one sequence's caches (decided as row 0)."""
+
+    def _row_proposal(self, row: int, position: int) -> int | None:
+        if position + 1 >= len(self.reference):
+            return None
+        right = self.reference[position + 1]
+        u = np.random.default_rng([self.seed, row, position]).random()
+        return right if u < self.alpha else (right + 1) % self.args.vocab_size
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        batch = getattr(cache[0], "batch", None) if cache else None
+        starts = list(batch.lengths) if batch is not None else \
+            [cache[0].offset if cache else 0] * inputs.shape[0]
+        logits = self.draft(inputs, cache=cache)  # (B, L, V): the real cost
+        width = logits.shape[-1]
+        out = []
+        for row, start in enumerate(starts):
+            rows = []
+            for j in range(inputs.shape[1]):
+                token = self._row_proposal(row, start + j)
+                if token is None:
+                    rows.append(logits[row, j])
+                else:
+                    rows.append(mx.where(mx.arange(width) == token, 30.0, -30.0)
+                                .astype(logits.dtype))
+            out.append(mx.stack(rows))
+        return mx.depends([mx.stack(out)], [logits])[0]
