@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from train_demo import ROOT, corpus_files, encode, lr_at, read, save
+from train_demo import ROOT, corpus_files, encode, read, save, train
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 DEMO = ROOT / "tinydraft_mlx" / "demo"
@@ -149,32 +149,6 @@ class Mixture:
         return x[:, :-1], x[:, 1:]
 
 
-def train(model, mix, steps, peak_lr, batch, teacher=None, log=""):
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    model.train()
-    start = time.time()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, peak_lr, warmup=min(50, steps // 5))
-        x, y = mix.batch(batch)
-        logits = model(x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        if teacher is not None:
-            with torch.no_grad():
-                soft = F.log_softmax(teacher(x).logits, dim=-1)
-            kl = F.kl_div(F.log_softmax(logits, -1), soft, log_target=True, reduction="batchmean")
-            loss = 0.5 * loss + 0.5 * kl / x.shape[1]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"{log} step {step}/{steps} loss {loss.item():.3f} "
-                  f"({time.time() - start:.0f} s)", flush=True)
-    model.eval()
-    return time.time() - start
-
-
 def _windows(data, starts, seq, n):
     if starts is None:
         offsets = np.linspace(0, len(data) - seq - 2, n).astype(int)
@@ -287,10 +261,12 @@ def main() -> None:
     old = measure(target, draft, held, args.seq, tok)
     print("old", json.dumps(old), flush=True)
     mix = Mixture(sets["code"][0], sets["chat"], sets["edits"], args.mix, args.seq, args.seed)
-    target_s = train(target, mix, args.target_steps, 1e-3, args.batch, log="target")
+    target_s = train(target, iter(lambda: mix.batch(args.batch), None), args.target_steps, 1e-3,
+                     log="target", warmup=min(50, args.target_steps // 5))
     mix = Mixture(sets["code"][0], sets["chat"], sets["edits"], args.mix, args.seq,
                   args.seed + 1)
-    draft_s = train(draft, mix, args.draft_steps, 2e-3, args.batch, teacher=target, log="draft")
+    draft_s = train(draft, iter(lambda: mix.batch(args.batch), None), args.draft_steps, 2e-3,
+                    teacher=target, log="draft", warmup=min(50, args.draft_steps // 5))
     new = measure(target, draft, held, args.seq, tok)
     print("new", json.dumps(new), flush=True)
     for name, model in (("target", target), ("draft", draft)):

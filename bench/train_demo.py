@@ -102,15 +102,15 @@ def held_out_loss(model, data: np.ndarray, seq: int, windows: int = 64) -> float
     return float(np.mean(losses))
 
 
-def train(model, data, steps, peak_lr, batch, seq, seed, teacher=None, alpha=0.5, log=""):
-    """Next-token cross-entropy; with a teacher, mixed with KL(teacher || student) at T = 1."""
-    rng = np.random.default_rng(seed)
+def train(model, batches, steps, peak_lr, teacher=None, alpha=0.5, log="", warmup=100):
+    """Next-token cross-entropy over `batches` ((x, y) id tensors); with a teacher, mixed with
+    KL(teacher || student) at T = 1. Returns the seconds it took; the model is left in eval mode."""
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
     start = time.time()
-    for step, (x, y) in zip(range(steps), batches(data, batch, seq, rng)):
+    for step, (x, y) in zip(range(steps), batches):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, peak_lr)
+            group["lr"] = lr_at(step, steps, peak_lr, warmup)
         logits = model(x).logits
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         if teacher is not None:
@@ -123,9 +123,10 @@ def train(model, data, steps, peak_lr, batch, seq, seed, teacher=None, alpha=0.5
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 100 == 0 or step == steps - 1:
-            rate = (step + 1) * batch * seq / (time.time() - start)
+            rate = (step + 1) * x.numel() / (time.time() - start)
             print(f"{log} step {step}/{steps} loss {loss.item():.3f} ({rate:.0f} tok/s)",
                   flush=True)
+    model.eval()
     return time.time() - start
 
 
@@ -162,11 +163,12 @@ def main() -> None:
     draft = Qwen2ForCausalLM(make_config(vocab, 128, 2, 2, 1, 384, eos))
     n_target = sum(p.numel() for p in target.parameters())
     n_draft = sum(p.numel() for p in draft.parameters())
-    target_s = train(target, train_ids, args.target_steps, 2e-3, args.batch, args.seq,
-                     args.seed, log="target")
-    target.eval()
-    draft_s = train(draft, train_ids, args.draft_steps, 3e-3, args.batch, args.seq,
-                    args.seed + 1, teacher=target, log="draft")
+    target_s = train(target, batches(train_ids, args.batch, args.seq,
+                                     np.random.default_rng(args.seed)),
+                     args.target_steps, 2e-3, log="target")
+    draft_s = train(draft, batches(train_ids, args.batch, args.seq,
+                                   np.random.default_rng(args.seed + 1)),
+                    args.draft_steps, 3e-3, teacher=target, log="draft")
     losses = {name: held_out_loss(m, held_ids, args.seq) for name, m in
               [("target", target), ("draft", draft)]}
     save(target, tok, args.out / "target")

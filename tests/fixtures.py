@@ -74,20 +74,28 @@ def build_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
     torch.manual_seed(seed)
     target = Qwen2ForCausalLM(_config(4, TARGET_WIDTH, eos_id)).eval()
     draft = Qwen2ForCausalLM(_config(2, VOCAB, eos_id)).eval()
+    _shape_pair(target, draft, eos_id, copied=2)
+    target.save_pretrained(target_dir)
+    draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir
+
+
+def _shape_pair(target, draft, eos_id: int, copied: int) -> None:
+    """Sharpen the target's head (EOS never wins greedily: long oracle paths), damp its later
+    layers, and make the draft a copy of its embedding, head, norm and first `copied` layers."""
+    import torch
+
     with torch.no_grad():
         target.lm_head.weight.mul_(2.0)
-        target.lm_head.weight[eos_id] = 0.0  # EOS never wins greedily: long oracle paths
+        target.lm_head.weight[eos_id] = 0.0
         for layer in target.model.layers[2:]:
             layer.self_attn.o_proj.weight.mul_(0.35)
             layer.mlp.down_proj.weight.mul_(0.35)
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
         draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
         draft.model.norm.load_state_dict(target.model.norm.state_dict())
-        for i in range(2):
+        for i in range(copied):
             draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
-    target.save_pretrained(target_dir)
-    draft.save_pretrained(draft_dir)
-    return target_dir, draft_dir
 
 
 def build_unrelated(root: Path, seed: int = 123) -> Path:
@@ -194,18 +202,9 @@ def build_family_pair(root: Path, family: str, seed: int | None = None) -> tuple
     draft = AutoModelForCausalLM.from_config(_family_config(family, draft_layers, VOCAB, eos_id))
     target.eval()
     draft.eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(2.0)
-        target.lm_head.weight[eos_id] = 0.0
-        for layer in target.model.layers[2:]:
-            layer.self_attn.o_proj.weight.mul_(0.35)
-            layer.mlp.down_proj.weight.mul_(0.35)
-        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
-        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
-        draft.model.norm.load_state_dict(target.model.norm.state_dict())
-        for i in range(draft_layers):
-            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
-        if family == "gemma3":  # the copied layers beyond the first two: damped further
+    _shape_pair(target, draft, eos_id, copied=draft_layers)
+    if family == "gemma3":  # the copied layers beyond the first two: damped further
+        with torch.no_grad():
             for layer in draft.model.layers[2:]:
                 layer.mlp.down_proj.weight.mul_(0.5)
     target.save_pretrained(target_dir)

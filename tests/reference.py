@@ -69,6 +69,18 @@ class _ExplicitWindow:
         return keys, values
 
 
+def two_step_joint(logits_of, ids: list[int], **warp_kw) -> dict[tuple[int, int], float]:
+    """The exact joint of the first two tokens after `ids`, each step warped by `warp_np`;
+    logits_of(ids) -> (len(ids), V) logits (the oracle's, or a windowed pass)."""
+    p1 = warp_np(logits_of(ids)[-1], **warp_kw)
+    joint = {}
+    for a in np.flatnonzero(p1):
+        p2 = warp_np(logits_of(ids + [int(a)])[-1], **warp_kw)
+        for b in np.flatnonzero(p2):
+            joint[(int(a), int(b))] = p1[a] * p2[b]
+    return joint
+
+
 def check_first_two_tokens(run, n: int, exact: dict, wrong: dict) -> None:
     """Sample the first two tokens `n` times (`run(seed)` -> (tokens, stats) of a k=2
     generation) and assert: both the accept and the resample path occurred, the chi-square

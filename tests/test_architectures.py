@@ -12,14 +12,12 @@ Architectures whose caches cannot roll back (recurrent / linear-attention layers
 load time with a message that names the reason.
 """
 
-from collections import Counter
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from tests.fixtures import FAMILIES, GEMMA_WINDOW, VOCAB, build_family_pair, build_tokenizer
-from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tests.reference import check_first_two_tokens, two_step_joint
 from tinydraft_mlx import PromptCache, batch_generate, generate, load_models
 from tinydraft_mlx.engine import cache as cache_module
 from tinydraft_mlx.engine.batch import BatchDecoder
@@ -141,16 +139,6 @@ def test_batches_and_bounded_caches_of_other_families(families, references, fami
     assert bounded == ref_a  # a window longer than the sequence: exactly the unbounded output
 
 
-def _two_step(logits_of, ids, **warp_kw):
-    p1 = warp_np(logits_of(ids)[-1], **warp_kw)
-    joint = {}
-    for a in np.flatnonzero(p1):
-        p2 = warp_np(logits_of(ids + [int(a)])[-1], **warp_kw)
-        for b in np.flatnonzero(p2):
-            joint[(int(a), int(b))] = p1[a] * p2[b]
-    return joint
-
-
 def test_llama_sampled_first_two_tokens_follow_the_oracle(families):
     """At T = 1, top-p 0.8, k = 2: 2000 seeds' first two tokens against the oracle's exact joint
     (tests/reference.py's warp). Bound as test_sampling_exactness: Pearson chi-square against the
@@ -161,22 +149,13 @@ def test_llama_sampled_first_two_tokens_follow_the_oracle(families):
     oracle = Oracle(target_dir)
     ids = tok.encode("def parse_args(self, args=None):")
     warp_kw = dict(temperature=1.0, top_p=0.8)
-    exact = _two_step(oracle.logits, ids, **warp_kw)
-    wrong = _two_step(oracle.logits, ids, temperature=1.0)
+    exact = two_step_joint(oracle.logits, ids, **warp_kw)
+    wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
     assert 10 < len(exact) < 2000
-    n = 2000
-    counts, from_draft = Counter(), Counter()
     cache = PromptCache(target, draft)
-    for seed in range(n):
-        out, stats = generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed,
-                              prompt_cache=cache, **warp_kw)
-        counts[tuple(out[:2])] += 1
-        from_draft[stats.accepted] += 1
-    assert from_draft[0] > 0 and from_draft[1] + from_draft[2] > 0, from_draft
-    stat, df = chi2_statistic(counts, exact, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    check_first_two_tokens(
+        lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed,
+                              prompt_cache=cache, **warp_kw), 2000, exact, wrong)
 
 
 def test_a_model_whose_caches_cannot_roll_back_is_refused_at_load(tmp_path):

@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.reference import chi2_statistic, chi2_threshold, warp_np, windowed_logits
+from tests.reference import chi2_statistic, chi2_threshold, two_step_joint, windowed_logits
 from tinydraft_mlx import Hybrid, PromptCache, generate
 from tinydraft_mlx.engine.drafters import draft_model
 
@@ -30,17 +30,6 @@ pytestmark = pytest.mark.usefixtures("cpu_fp32")
 N = 2500
 PROMPT = "def parse_args(self, args=None):"
 WINDOW = 12  # max_kv_size of the bounded case; its prompt is longer
-
-
-def _two_step(logits_of, ids, **warp_kw):
-    """The exact joint of the first two tokens; logits_of(ids) -> (len(ids), V) logits."""
-    p1 = warp_np(logits_of(ids)[-1], **warp_kw)
-    joint = {}
-    for a in np.flatnonzero(p1):
-        p2 = warp_np(logits_of(ids + [int(a)])[-1], **warp_kw)
-        for b in np.flatnonzero(p2):
-            joint[(int(a), int(b))] = p1[a] * p2[b]
-    return joint
 
 
 class _PlainThenOne:
@@ -92,11 +81,11 @@ def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, mo
     bounded = drafter == "bounded"
     if bounded:  # the window's exact joint; the unbounded one is what must be told apart
         assert len(ids) > WINDOW + 4
-        exact = _two_step(lambda s: windowed_logits(target, s, WINDOW), ids, **warp_kw)
-        wrong = _two_step(oracle.logits, ids, **warp_kw)
+        exact = two_step_joint(lambda s: windowed_logits(target, s, WINDOW), ids, **warp_kw)
+        wrong = two_step_joint(oracle.logits, ids, **warp_kw)
     else:  # the exact joint; without top-p is what must be told apart
-        exact = _two_step(oracle.logits, ids, **warp_kw)
-        wrong = _two_step(oracle.logits, ids, temperature=warp_kw["temperature"])
+        exact = two_step_joint(oracle.logits, ids, **warp_kw)
+        wrong = two_step_joint(oracle.logits, ids, temperature=warp_kw["temperature"])
     assert 10 < len(exact) < 2000  # a real distribution, small enough to be sampled well
     counts, from_draft = Counter(), Counter()
     # one prompt cache for every sample: each generation starts from the prompt's caches,
