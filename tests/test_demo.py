@@ -11,7 +11,7 @@ from tinydraft_mlx.cli import main
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def pop(self):",
     "import os\n\n\ndef read_lines(path):\n    with open(path) as f:",
     "    for key, value in sorted(mapping.items()):\n        if",
 ]
@@ -55,9 +55,11 @@ def test_demo_pair_is_lossless_against_oracle(demo, demo_oracle):
     assert accepted / drafted > 0.4  # a trained, distilled draft (unrelated drafts: < 0.05)
 
 
+# an editing request in the demo template's ChatML (the pair was retrained on such exchanges):
+# the answer copies the snippet back with the change
 EDITING = (
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
-    "class Vector:\n    def __init__(self, x, y):\n"
+    "<|im_start|>user\nRename `x` to `left` in this code:\n```python\ndef add(x, y):\n"
+    '    """Return x plus y."""\n    return x + y\n```<|im_end|>\n<|im_start|>assistant\n'
 )
 
 

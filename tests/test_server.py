@@ -156,8 +156,8 @@ def test_completion_greedy_equals_the_library(served, models, k, draft):
         assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
         assert spec["mean_accepted_length"] == pytest.approx(spec["accepted"] / spec["rounds"])
         assert spec["decode_tokens_per_second"] > 0
-    if draft == "model" and k == 4:
-        assert set(spec["k_histogram"]) <= {"1", "2", "3", "4"}
+    if draft == "model" and k == 4:  # never more than k; a round with one token left drafts none
+        assert set(spec["k_histogram"]) <= {"0", "1", "2", "3", "4"}
         assert len(spec["per_position_acceptance"]) == 4
 
 
@@ -170,12 +170,12 @@ def test_token_id_prompt(served, models):
 
 
 def test_streamed_completion(served, models):
-    """Streamed chunks, one per token; the prompt ends with a space and the first generated token
-    starts with one: the text keeps it (prompt + text is the decoded sequence)."""
+    """Streamed chunks, one per token; the first generated token starts with a space: the text
+    keeps it (prompt + text is the decoded sequence)."""
     tokenizer = models[2]
-    text, ids = reference(models, "if __name__ == ", 48)
+    text, ids = reference(models, "if __name__ ==", 48)
     chunks = list(served.client().completions.create(
-        model="demo", prompt="if __name__ == ", max_tokens=48, stream=True,
+        model="demo", prompt="if __name__ ==", max_tokens=48, stream=True,
         stream_options={"include_usage": True}))
     pieces = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in pieces) == text == tokenizer.decode(ids)
