@@ -43,6 +43,35 @@ def demo_retrain(r: dict) -> list[str]:
     return lines
 
 
+def batch_shapes(r: dict) -> list[str]:
+    s = r["settings"]
+    runs = r["runs"]
+
+    def tps(contender: str, size: int, alpha: float | None = None) -> float:
+        return next(x["aggregate_tps"] for x in runs if x["contender"] == contender
+                    and x["batch"] == size and (alpha is None or x["alpha"] == alpha))
+
+    lines = [
+        f"**Batches on the Qwen2.5 shapes** (`python bench/batch_shapes.py`; {s['target']} "
+        f"target, {s['draft']} draft, {s['dtype']}, B copies of one prompt, {s['max_tokens']} "
+        "tokens per row, greedy, aggregate tokens/s over the whole batch (prefill included), one "
+        "timed run per cell after a warm-up; [json](results/batch_shapes.json), "
+        "[plot](results/batch_shapes.png))",
+        "",
+        "| B | mlx-lm `batch_generate` | ours plain | alpha | ours k=1 | ours k=2 | ours auto |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size in s["sizes"]:
+        plain = tps("plain", size)
+        for alpha in s["alphas"]:
+            cells = " | ".join(f"{tps(c, size, alpha):.2f} ({tps(c, size, alpha) / plain:.2f}x)"
+                               for c in ("k1", "k2", "auto"))
+            lines.append(f"| {size} | {tps('mlx_lm', size):.2f} | {plain:.2f} | {alpha} | "
+                         f"{cells} |")
+    lines += ["", "Ratios in brackets are to ours plain batched at the same B."]
+    return lines
+
+
 def demo_quality(r: dict) -> list[str]:
     s = r["settings"]
     plain = r["plain"]["tokens_per_second"]
@@ -506,6 +535,7 @@ def main() -> None:
         ("distributed", distributed),
         ("server", server),
         ("batch", batch),
+        ("batch_shapes", batch_shapes),
         ("hybrid", hybrid),
     ]:
         data = _load(name)
