@@ -14,8 +14,6 @@ tokens over the wall time of the whole batch (prefill included, as `batch_genera
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,11 +87,10 @@ def worker(contender: str, size: int, temperature: float) -> dict:
 
 
 def run(contender: str, size: int, temperature: float) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, __file__, "--worker", contender, str(size),
-                           str(temperature)], env=env, check=True, capture_output=True,
-                          text=True, timeout=900)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import in_fresh_process
+
+    return in_fresh_process(__file__, contender, size, temperature)
 
 
 def plot(report: dict, path: Path) -> None:

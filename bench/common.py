@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import tinydraft_mlx  # isort: skip  (before mlx.core, for the BLAS preload)
@@ -68,3 +71,12 @@ def pair_parser(description: str, *, prompts: int, max_tokens: int) -> argparse.
     ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
     return ap
+
+
+def in_fresh_process(script: str, *args: object, timeout: float = 900) -> dict:
+    """Run `python script --worker ARGS...` offline in a process of its own (one generation stream
+    per process: two in one slow both) and return the JSON its last line of output holds."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, script, "--worker", *map(str, args)], env=env,
+                          check=True, capture_output=True, text=True, timeout=timeout)
+    return json.loads(done.stdout.strip().splitlines()[-1])

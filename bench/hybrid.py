@@ -15,9 +15,7 @@ decoding's. The hybrid's rounds are counted by source.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,11 +101,10 @@ def worker(contender: str, workload: str, temperature: float) -> dict:
 
 
 def run(contender: str, workload: str, temperature: float) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, __file__, "--worker", contender, workload,
-                           str(temperature)], env=env, check=True, capture_output=True,
-                          text=True, timeout=900)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import in_fresh_process
+
+    return in_fresh_process(__file__, contender, workload, temperature)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
