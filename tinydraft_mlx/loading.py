@@ -196,11 +196,12 @@ def default_draft(target: str | Path | None) -> str | None:
     gemma-3-1b); for a local directory, that name as a sibling directory if one exists; else
     None. Loading still refuses a draft whose tokenizer differs from the target's."""
     local = Path(target).expanduser() if target is not None else None
-    if local is None or (local.exists() and local.resolve() == (DEMO_DIR / "target").resolve()):
+    exists = local is not None and local.exists()
+    if local is None or (exists and local.resolve() == (DEMO_DIR / "target").resolve()):
         return str(DEMO_DIR / "draft")  # the demo target, by default or by its directory
-    org, _, name = (f"local/{local.name}" if local.exists() else str(target)).rpartition("/")
-    if not local.exists() and not _looks_like_hub_id(str(target)):
+    if not exists and not _looks_like_hub_id(str(target)):
         return None
+    org, _, name = str(target).rpartition("/") if not exists else ("", "", local.name)
     for pattern, draft in _FAMILY_DRAFTS:
         if pattern.match(name):
             sibling = pattern.sub(draft, name)
@@ -209,7 +210,7 @@ def default_draft(target: str | Path | None) -> str | None:
         return None
     if sibling == name:
         return None  # the target is itself the family's smallest model
-    if not local.exists():
+    if not exists:
         return f"{org}/{sibling}"
     path = local.parent / sibling
     return str(path) if path.is_dir() else None

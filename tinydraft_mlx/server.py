@@ -30,7 +30,8 @@ from fastapi import FastAPI
 
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cli import flag_message
-from .engine.cache import KEEP, standard_layers
+from .engine.batch import unbatchable
+from .engine.cache import KEEP
 from .engine.drafters import HYBRID, resolve_drafter
 from .engine.lookup import NO_DRAFT
 from .engine.sampling import ParameterError, SamplingParams, check_int
@@ -141,7 +142,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if model is not None and args.hybrid:
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch
-    if max_batch > 1 and not all(standard_layers(m) for m in (target, model) if m is not None):
+    if max_batch > 1 and unbatchable(target, model) is not None:
         print("the model has sliding-window layers, which batches do not hold: requests run one "
               "at a time (--max-batch 1)", file=sys.stderr)
         max_batch = 1

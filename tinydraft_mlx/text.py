@@ -213,17 +213,11 @@ def _leading_space(tokenizer: Any, ids: list[int], segment: str) -> str:
     """The first text segment with the leading space the tokenizer's `decode` gives it: mlx-lm's
     BPE streaming detokenizer drops the first token's leading space (as SentencePiece decoding
     does), so a completion of "if x ==" would lose the space before its first word, and prompt +
-    text would not be the decoded sequence. It drops one space even from a first token made of
-    spaces only (an indent): so the test is one more leading space in `decode`, not whether the
-    segment starts with one. Checked once per generation."""
+    text would not be the decoded sequence. It drops one space even from a segment that starts
+    with spaces (a first token that is an indent), so the test is `decode` against the segment,
+    never whether the segment starts with a space. Checked once per generation."""
     decoded = tokenizer.decode(ids)
-    if decoded.startswith(" " + segment) and _indent(decoded) > _indent(segment):
-        return " " + segment
-    return segment
-
-
-def _indent(text: str) -> int:
-    return len(text) - len(text.lstrip(" "))
+    return " " + segment if decoded.startswith(" " + segment) else segment
 
 
 def _response(token: Token, text: str, n: int, finish: str | None,

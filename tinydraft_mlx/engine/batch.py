@@ -167,6 +167,15 @@ def _regimes(rows: list[_Row], where) -> dict[tuple, list[int]]:
     return groups
 
 
+def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
+    """Which model ("target" or "draft") cannot join a `BatchDecoder`, or None when both can: a
+    batch's caches have one layout for every layer (no sliding window, no recurrent state)."""
+    for name, model in (("target", target), ("draft", draft)):
+        if model is not None and not standard_layers(model):
+            return name
+    return None
+
+
 class BatchDecoder:
     """Rounds of speculative decoding over a changing batch of sequences (see the module
     docstring). `draft`: the draft model sequences with draft "model" use (None: none may).
@@ -179,11 +188,11 @@ class BatchDecoder:
         if ranks_of(target) is not None:
             raise ValueError("a tensor-parallel target decodes one sequence at a time "
                              "(generate / stream_generate); it is not batched")
-        for name, model in (("target", target), ("draft", draft)):
-            if model is not None and not standard_layers(model):
-                raise ValueError(f"the {name} has sliding-window or recurrent layers; batches "
-                                 "hold standard attention layers only: decode it one sequence "
-                                 "at a time (generate / stream_generate)")
+        name = unbatchable(target, draft)
+        if name is not None:
+            raise ValueError(f"the {name} has sliding-window or recurrent layers; batches "
+                             "hold standard attention layers only: decode it one sequence "
+                             "at a time (generate / stream_generate)")
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         margin = max_k + 1
