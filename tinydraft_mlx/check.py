@@ -51,7 +51,7 @@ from .backend import active_blas, device_name, generation_stream
 from .engine.cache import make_cache, rollback
 from .engine.drafters import draft_model, resolve_drafter
 from .engine.forward import forward, prefill
-from .engine.policy import AUTO_MAX_K, record_rounds, sampling_regime
+from .engine.policy import record_rounds, sampling_regime
 from .engine.sampling import ParameterError, SamplingParams, check_int, warp
 from .loading import ModelLoadError, default_draft, load_draft, load_models
 from .prompt_cache import PromptCache
@@ -329,11 +329,11 @@ def save_policy_entry(target, draft, result: dict, sampling: SamplingParams) -> 
     first = next(iter(per_k.values()))
     if first["plain_tokens_per_second"] > 0:
         rounds[0] = (1 / first["plain_tokens_per_second"], first["plain_tokens"])
-    hits, reached = [0.0] * AUTO_MAX_K, [0.0] * AUTO_MAX_K
+    width = max(len(v["position_reached"]) for v in per_k.values())
+    hits, reached = [0.0] * width, [0.0] * width  # pooled over k (record_rounds keeps k_max)
     for v in per_k.values():
         for i, (a, r) in enumerate(zip(v["position_accepted"], v["position_reached"])):
-            if i < AUTO_MAX_K:
-                hits[i], reached[i] = hits[i] + a, reached[i] + r
+            hits[i], reached[i] = hits[i] + a, reached[i] + r
     record_rounds(target, drafter.policy_key, sampling_regime(SamplingParams()), rounds, hits,
                   reached)
     sampled = result["acceptance"]["sampled"]
