@@ -23,28 +23,31 @@ class OracleDraft:
         self.layers = draft.layers
         self.args = draft.args
 
-    def _proposal(self, position: int) -> int | None:
-        """The token to propose after absolute `position`, or None past the reference."""
+    def _proposal(self, position: int, key: tuple = ()) -> int | None:
+        """The token to propose after absolute `position`, or None past the reference; the
+        decision is a pure function of (seed, *key, position)."""
         if position + 1 >= len(self.reference):
             return None
         right = self.reference[position + 1]
-        u = np.random.default_rng([self.seed, position]).random()
+        u = np.random.default_rng([self.seed, *key, position]).random()
         return right if u < self.alpha else (right + 1) % self.args.vocab_size
+
+    def _sequence(self, logits: mx.array, start: int, key: tuple = ()) -> mx.array:
+        """(L, V) proposals of one sequence whose first input sits at `start`: a decisive one-hot
+        in the draft's dtype where the reference decides, else the draft's own logits."""
+        width = logits.shape[-1]
+        rows = []
+        for j in range(logits.shape[0]):
+            token = self._proposal(start + j, key)
+            rows.append(logits[j] if token is None else
+                        mx.where(mx.arange(width) == token, 30.0, -30.0).astype(logits.dtype))
+        return mx.stack(rows)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         start = cache[0].offset if cache else 0
         logits = self.draft(inputs, cache=cache)  # (1, L, V): the real cost
-        width = logits.shape[-1]
-        rows = []
-        for j in range(inputs.shape[1]):
-            token = self._proposal(start + j)
-            if token is None:
-                rows.append(logits[:, j])
-            else:  # a decisive one-hot in the draft's dtype
-                rows.append(mx.where(mx.arange(width) == token, 30.0, -30.0)[None]
-                            .astype(logits.dtype))
         # the output must still depend on the forward pass, or lazy evaluation would skip its cost
-        return mx.depends([mx.stack(rows, axis=1)], [logits])[0]
+        return mx.depends([self._sequence(logits[0], start)[None]], [logits])[0]
 
 
 class BatchOracleDraft(OracleDraft):
@@ -54,28 +57,10 @@ class BatchOracleDraft(OracleDraft):
     position gets the same proposal. Called with a `BatchCache`'s layers (B rows, each at its own
     length) or, while a row prefills, with one sequence's caches (decided as row 0)."""
 
-    def _row_proposal(self, row: int, position: int) -> int | None:
-        if position + 1 >= len(self.reference):
-            return None
-        right = self.reference[position + 1]
-        u = np.random.default_rng([self.seed, row, position]).random()
-        return right if u < self.alpha else (right + 1) % self.args.vocab_size
-
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         batch = getattr(cache[0], "batch", None) if cache else None
         starts = list(batch.lengths) if batch is not None else \
             [cache[0].offset if cache else 0] * inputs.shape[0]
         logits = self.draft(inputs, cache=cache)  # (B, L, V): the real cost
-        width = logits.shape[-1]
-        out = []
-        for row, start in enumerate(starts):
-            rows = []
-            for j in range(inputs.shape[1]):
-                token = self._row_proposal(row, start + j)
-                if token is None:
-                    rows.append(logits[row, j])
-                else:
-                    rows.append(mx.where(mx.arange(width) == token, 30.0, -30.0)
-                                .astype(logits.dtype))
-            out.append(mx.stack(rows))
-        return mx.depends([mx.stack(out)], [logits])[0]
+        rows = [self._sequence(logits[b], start, (b,)) for b, start in enumerate(starts)]
+        return mx.depends([mx.stack(rows)], [logits])[0]
