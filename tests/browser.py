@@ -28,11 +28,15 @@ def find_chromium() -> str | None:
     return next((path for name in CANDIDATES if (path := shutil.which(name))), None)
 
 
-# resolves with the page's final state once its generation has ended
+# resolves with the page's final state once its generation has ended. Until chromium has
+# navigated to the url, this may run in the first about:blank document, which has no state: it
+# keeps polling there (the navigation then destroys that context and `evaluate` retries), instead
+# of resolving with `undefined` (a race seen in CI on a loaded machine).
 _WAIT = """new Promise((resolve) => {
   const t = setInterval(() => {
-    const s = document.body.dataset.state;
-    if (s !== "idle" && s !== "running") { clearInterval(t); resolve(s); }
+    const s = document.body?.dataset.state;
+    if (s == null || s === "idle" || s === "running") return;
+    clearInterval(t); resolve(s);
   }, 50);
 })"""
 
