@@ -118,7 +118,7 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
                          seed=0)[0]
         draft = OracleDraft(draft, ref, 0.0, 0)
     saved = dict(policy._SHARED)
-    for k in (None, 1, 2, 3, 4):  # trace the compiled shapes, with no policy learned
+    for k in (None, *range(1, policy.AUTO_MAX_K + 1)):  # trace every shape, learn no policy
         ours(target, draft if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp, seed=1)
     assert policy._SHARED == saved
     k = {"plain": 1}.get(contender, "auto" if contender.startswith("auto") else

@@ -126,16 +126,27 @@ def test_swapping_kernels_switches_the_compiled_step(load):
 
 
 def test_policy_prices_probes_with_the_switch_cost_not_sustained_drafting():
+    """A probe's price counts the draft's catch-up on the plain rounds it missed (fitted as a
+    fixed part plus a part per round), not the drafting round's sustained cost."""
     policy = DraftLengthPolicy(4, draft_ratio=0.5)
     policy.update(0, 0, 1.0)
-    policy.update(1, 0, 2.0, catch_up=5.0)  # a probe that also caught the draft up
-    assert policy.round_seconds[1] == pytest.approx(2.0) and policy.costs.switch_seconds == 5.0
-    policy.timed.update({k: 2 for k in (1, 2, 3)})  # past a new pair's exploration of k = 1..3
+    for _ in range(2):
+        policy.update(0, 0, 1.0)
+    policy.update(1, 0, 2.0, catch_up=0.5)  # after 3 plain rounds: 0.2 + 0.1 per round
+    for _ in range(13):
+        policy.update(0, 0, 1.0)
+    policy.update(1, 0, 2.0, catch_up=1.5)  # after 13
+    assert policy.round_seconds[1] == pytest.approx(2.0)
+    assert policy.costs.switch_cost(0) == pytest.approx(0.2)
+    assert policy.costs.switch_cost(23) == pytest.approx(2.5)
+    policy.timed.update({1: 2})
+    for _ in range(23):
+        policy.update(0, 0, 1.0)
     policy.plain_seconds = 100.0  # budget 2%: 2 s of probing loss allowed
-    assert policy.choose(4) == 0  # loss 2 + 5 + 1 - 1.22 > 2: no probe yet
-    policy.costs.switch_seconds = 0.0
+    assert policy.choose(4) == 0  # loss 2 + 2.5 - E(1) > 2: no probe yet
+    policy.costs.switch_fit = [0.0] * 5
     policy.plain_seconds = 100.0
-    assert policy.choose(4) == 1  # loss 2 + 0 + 1 - 1.22 <= 2: probe
+    assert policy.choose(4) == 1  # loss 2 + 0 - E(1) <= 2: probe
 
 
 def test_policy_books_acceptance_but_not_the_time_of_an_untimed_round():

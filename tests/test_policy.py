@@ -32,12 +32,33 @@ def best_rate(alpha, cost, k_max=8):
     return max(sum(alpha**j for j in range(k + 1)) / cost(k) for k in range(k_max + 1))
 
 
-def test_first_round_is_plain_then_speculation_is_tried():
+def test_a_new_pair_drafts_one_token_twice_then_times_plain_rounds():
+    """While the draft is in step with the target (after the prefill) exploring costs no
+    catch-up: a new pair drafts k = 1 until two rounds are timed (a traced round is not), then
+    measures R(0); after a plain round it no longer explores before R(0) is known."""
     policy = DraftLengthPolicy()
-    assert policy.choose(10) == 0
-    policy.update(0, 0, 1.0)
-    assert policy.choose(10) == 1  # optimistic before any evidence, one step at a time
+    assert policy.choose(10) == 1
+    policy.update(1, 1, 0.0)  # traced: acceptance only
+    assert policy.choose(10) == 1
+    policy.update(1, 1, 2.0)
+    assert policy.choose(10) == 1
+    policy.update(1, 0, 2.0)
+    assert policy.choose(10) == 0  # R(0) next
     assert policy.choose(0) == 0  # nothing left to draft for
+    policy.update(0, 0, 2.0)  # a stretch's first round waits for two steps: left out
+    policy.update(0, 0, 1.0)  # pending: it may be the stretch's last (which waits for little)
+    assert 0 not in policy.round_seconds
+    policy.update(0, 0, 1.1)
+    assert policy.round_seconds == {0: 1.0, 1: 2.0}  # the first estimate, at once
+    for seconds in (1.2, 1.4, 0.1):  # the rest of the stretch; 0.1 its last round
+        policy.update(0, 0, seconds)
+    assert policy.round_seconds[0] == 1.0  # booked when the stretch ends (or every 8 rounds)
+    policy.update(1, 1, 2.0)
+    # the running mean of the middle rounds: 1.0, then 1.1, 1.2, 1.4 (the last, 0.1, left out)
+    assert policy.round_seconds[0] == pytest.approx((1.0 + 1.1 + 1.2 + 1.4) / 4)
+    other = DraftLengthPolicy()
+    other.update(0, 0, 0.0)  # a plain round first (untimed): the draft is now behind
+    assert other.choose(10) == 0
 
 
 def test_round_cost_interpolates_and_extrapolates():
@@ -98,7 +119,7 @@ def test_histogram_of_choices():
     policy = DraftLengthPolicy()
     _, _, ks = simulate(policy, lambda r: 0.9, lambda k: 1.0 + 0.1 * k, 50)
     assert policy.chosen == Counter(ks)
-    assert ks[0] == 0 and policy.chosen[0] <= 3
+    assert ks[:2] == [1, 1] and policy.chosen[0] <= 3
     assert sum(n for k, n in policy.chosen.items() if k >= 5) >= 35, policy.chosen
 
 
@@ -159,6 +180,8 @@ def test_shared_policy_keeps_costs_per_pair_and_acceptance_per_sampling_regime()
     greedy = shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0))
     for _ in range(20):
         greedy.update(4, 4, 0.004)  # everything accepted at T = 0
+    greedy.update(0, 0, 0.002)  # a stretch's first round: not R(0)'s first estimate
+    greedy.update(0, 0, 0.001)
     greedy.update(0, 0, 0.001)
     hot = shared_policy(target, draft, 0.25, (1.0, 1.0, 0, 0.0))
     assert hot is not greedy
@@ -166,7 +189,7 @@ def test_shared_policy_keeps_costs_per_pair_and_acceptance_per_sampling_regime()
     assert sum(hot.accepted) == sum(hot.rejected) == 0  # its own acceptance: nothing yet
     assert min(greedy.acceptance_means()) > 0.8
     hot.update(1, 0, 0.002, catch_up=0.5)
-    assert greedy.costs.switch_seconds == 0.5 and 1 in greedy.round_seconds
+    assert greedy.costs.switch_cost(0) == 0.5 and 1 in greedy.round_seconds
     assert greedy.accepted[0] > 0 and greedy.rejected[0] == 0  # T = 1's rejection stays there
     assert shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0)) is greedy
     for i in range(MAX_REGIMES):

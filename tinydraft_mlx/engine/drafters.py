@@ -4,13 +4,18 @@ each round from whichever has recently given more tokens per second), or none.
 
 The decode loop asks a `Drafter` for proposals and never what kind it holds:
 
-- `begin(seq, cache)`: a generation starts on `seq` (the loop's growing list: prompt + emitted);
-  `cache` is the draft model's KV cache (None without a model). A model draft prefills what its
-  cache lacks but the last token; prompt lookup indexes `seq`.
+- `begin(seq, cache, predict)`: a generation starts on `seq` (the loop's growing list: prompt +
+  emitted); `cache` is the draft model's KV cache (None without a model). A model draft prefills
+  what its cache lacks but the last token, and returns its argmax after each of the last
+  `predict` tokens it prefilled (evidence for `k="auto"`; [] from the others); prompt lookup
+  indexes `seq`.
 - `propose(k, sampling, key, history, processors, width)`: up to k tokens (k,) continuing `seq`
   and, when sampling, their distributions q (k, width) (point masses for a deterministic
   proposal); fewer (or none) where the source has nothing to offer.
-- `catch_up()`: after plain rounds, feed a model what it missed (seconds spent; 0.0 otherwise).
+- `catch_up(predict)`: after plain rounds, feed a model what it missed: (seconds spent, and for
+  the last `predict` tokens it was fed whether its greedy prediction matched the token that
+  followed: evidence for `k="auto"` from the catch-up's own forward); (0.0, []) where nothing
+  was missed.
 - `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix).
 - `drafts` (False: plain decoding), `model` (the model whose cache generation and prompt caches
   keep), `policy_key` (what `k="auto"` keeps its learning under), `name` ("model",
@@ -58,13 +63,13 @@ class Drafter(Protocol):
     model: nn.Module | None
     policy_key: object
 
-    def begin(self, seq: list[int], cache: Cache | None) -> None: ...
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]: ...
 
     def propose(self, k: int, sampling: SamplingParams, key: mx.array | None,
                 history: mx.array | None, processors: Sequence[Processor],
                 width: int | None) -> Proposal: ...
 
-    def catch_up(self) -> float: ...
+    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]: ...
 
     def rollback(self, keep: int) -> None: ...
 
@@ -80,14 +85,14 @@ class NoDraft:
 
     name, drafts, model, policy_key = NO_DRAFT, False, None, None
 
-    def begin(self, seq: list[int], cache: Cache | None) -> None:
-        pass
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
+        return []
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         return _empty()
 
-    def catch_up(self) -> float:
-        return 0.0
+    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
+        return 0.0, []
 
     def rollback(self, keep: int) -> None:
         pass
@@ -107,11 +112,12 @@ class ModelDraft:
         self.seq: list[int] = []
         self.cache: Cache | None = None
 
-    def begin(self, seq: list[int], cache: Cache | None) -> None:
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
         """`cache` None: the model drafts in a batch, on the batch's cache."""
         self.seq, self.cache = seq, cache
-        if cache is not None:
-            prefill(self.model, cache, seq[cache_length(cache) : -1])
+        if cache is None:
+            return []
+        return prefill(self.model, cache, seq[cache_length(cache) : -1], predict=predict)
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
@@ -122,17 +128,21 @@ class ModelDraft:
         return _draft_chain(self.model, self.cache, unseen, k, sampling, key, history,
                             processors, width)
 
-    def catch_up(self) -> float:
+    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
         """Feed the model what it missed (after plain rounds) but the last token, as a prefill,
         so that at most 2 tokens remain for its first step; returns the seconds it took (prefill
-        evaluates, so this is device time too). Nothing to do (0.0) within a run of drafting
-        rounds."""
+        evaluates, so this is device time too) and, for the last `predict` tokens it was fed,
+        whether the model's argmax after each is the token that followed (whether a greedy
+        one-token draft there would have been accepted). Nothing to do (0.0, []) within a run
+        of drafting rounds."""
         unseen = self.seq[cache_length(self.cache) :]
         if len(unseen) <= 2:
-            return 0.0
+            return 0.0, []
         start = time.perf_counter()
-        prefill(self.model, self.cache, unseen[:-1])
-        return time.perf_counter() - start
+        predicted = prefill(self.model, self.cache, unseen[:-1], predict=predict)
+        seconds = time.perf_counter() - start
+        following = unseen[len(unseen) - len(predicted) :]  # the token after each predicted
+        return seconds, [p == t for p, t in zip(predicted, following)]
 
     def rollback(self, keep: int) -> None:
         if self.cache is not None:
@@ -154,14 +164,15 @@ class LookupDraft:
         self.policy_key = repr(settings)
         self.index: NgramIndex | None = None
 
-    def begin(self, seq: list[int], cache: Cache | None) -> None:
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
         self.index = self.settings.index(seq)
+        return []
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         return _host(self.host_proposal(k), sampling, width)
 
-    def catch_up(self) -> float:
-        return 0.0
+    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
+        return 0.0, []
 
     def rollback(self, keep: int) -> None:
         pass  # the index reads `seq` itself
@@ -239,10 +250,12 @@ class HybridDraft:
         self._began = 0.0  # when the round's proposal was made
         self._since_lookup = 0  # model rounds since lookup was last chosen
 
-    def begin(self, seq: list[int], cache: Cache | None) -> None:
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
+        """No evidence for `k="auto"`: which source drafts changes from round to round."""
         self.seq = seq
         self.lookup.begin(seq, None)
         self.inner.begin(seq, cache)
+        return []
 
     def host_proposal(self, k: int) -> list[int] | None:
         """This round's lookup proposal, or None when the model should draft; records which."""
@@ -270,10 +283,10 @@ class HybridDraft:
         self.inner.catch_up()  # only when the model drafts: lookup rounds need no catch-up
         return self.inner.propose(k, sampling, key, history, processors, width)
 
-    def catch_up(self) -> float:
+    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
         """Nothing here: the model catches up in `propose` when it is the round's source (its
         time is then the round's)."""
-        return 0.0
+        return 0.0, []
 
     def rollback(self, keep: int) -> None:
         """Also the end of a round: keep - (seq's length at the proposal) tokens of this round's

@@ -229,13 +229,24 @@ def prefill(
     tokens: list[int],
     step: int = PREFILL_STEP,
     progress: Callable[[int], None] | None = None,
-) -> None:
+    predict: int = 0,
+) -> list[int]:
     """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens; `progress(n)`
-    after each chunk with the tokens processed so far."""
+    after each chunk with the tokens processed so far. Returns the model's argmax after each of
+    the last `predict` tokens (their logits are otherwise never computed; a chunk ends where
+    they begin, so that no other position's are)."""
     tokens = model_inputs(model, tokens)
-    for start in range(0, len(tokens), step):
-        model(mx.array(tokens[start : start + step], dtype=mx.int32)[None], cache=cache)
-        mx.eval([layer.state for layer in cache])
-        mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
+    cut = max(0, len(tokens) - predict)
+    bounds = sorted({*range(0, cut, step), *range(cut, len(tokens), step)})
+    predicted: list[int] = []
+    for start, end in zip(bounds, [*bounds[1:], len(tokens)]):
+        logits = model(mx.array(tokens[start:end], dtype=mx.int32)[None], cache=cache)
+        ids = mx.argmax(logits[0], axis=-1) if start >= cut else None
+        mx.eval([layer.state for layer in cache], ids)
+        if ids is not None:
+            predicted += ids.tolist()
+        if end < len(tokens):
+            mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
         if progress is not None:
-            progress(min(start + step, len(tokens)))
+            progress(end)
+    return predicted

@@ -10,18 +10,47 @@ Both sides are measured online, not assumed:
 - alpha_i: accepted / reached counts per position, discounted by `decay` at every speculative
   round so that the estimate follows the text; a position with little data borrows strength from
   the pooled rate (posterior mean under a prior of weight `prior_strength` centred on it).
-- R(k): an exponential moving average of the measured wall time of rounds that drafted k. An
-  unmeasured k is interpolated linearly between measured neighbours; beyond the largest measured
-  k it adds only draft steps of R(0) * draft_ratio each (draft_ratio: the draft/target prefill
-  time ratio), i.e. it is optimistic (extra verification assumed free) until measured, so a
-  larger k that might pay gets tried once and then judged on its measured cost. The policy never
+- R(k): an exponential moving average of the measured wall time of rounds that drafted k. R(0) is
+  the mean of a stretch of plain rounds without its first and last rounds, booked every
+  `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
+  first round of a stretch waits for two steps (its own and the one queued behind it) and the last
+  for almost nothing (demo pair: 6.6, 3.3, ..., 3.3, 0.3 ms). Booked one by one without the first,
+  R(0) came out 20% low (2.6 ms for 3.3) and a fresh process decoded plainly where k = 2 was 1.15x
+  faster. An unmeasured k is interpolated linearly between measured neighbours; beyond the largest
+  measured k it adds only draft steps of R(0) * draft_ratio each (draft_ratio: the draft/target
+  prefill time ratio), i.e. it is optimistic (extra verification assumed free) until measured, so
+  a larger k that might pay gets tried once and then judged on its measured cost. The policy never
   goes beyond twice the largest measured k plus one, so a bad extrapolation costs one modest
   round, not a k_max-sized one.
-The first round is plain (it measures R(0)).
 
-When plain decoding wins, speculation is still probed now and then, so that a later easy stretch
-(or a cost estimate spoiled by a noisy round) is not missed: a probe is taken once its expected
-loss fits in `probe_budget` (2%) of the time spent in plain rounds since the last probe.
+A new pair's first rounds draft one token, twice timed, unless the evidence already says its first
+position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target after the
+prefill: exploring then costs no catch-up); then plain rounds measure R(0) (its first estimate is
+a stretch's second round, once a third shows it was not the last). One unlucky start (a traced
+step, rejected drafts) must not keep a process plain for a whole generation, nor may exploring
+cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process 5% of its
+generation there).
+
+When plain decoding wins on the means, speculation is still tried in two ways:
+- Thompson sampling: each position's acceptance is drawn from its posterior (uniform prior); if
+  drafting would beat plain decoding at the drawn values by enough to repay the catch-up within
+  `HORIZON` tokens, the best k there is tried. Where the evidence is thin (a new pair whose first
+  drafts were rejected: the first tokens after a prompt are often the hardest) that happens now
+  and then; with much evidence against, almost never.
+- a probe once its expected loss fits in `probe_budget` (2%) of the time spent in plain rounds
+  since the last probe, so that a later easy stretch (or a cost estimate spoiled by a noisy
+  round) is not missed however much evidence there is. The loss counts the draft's catch-up on
+  the plain rounds it missed: a prefill of those tokens, fitted as a fixed part plus a part per
+  token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
+  underrated long stretches' probes by 2x).
+
+Greedy decoding looks before it leaps (`looks`): a round after plain rounds first catches the
+draft up, books whether the draft's argmax after each of the last `CATCH_UP_EVIDENCE` tokens it
+caught up on was the token that followed (`observe`: exactly where a greedy draft would have
+been accepted, and how far), and chooses again; a probe that finds speculation hopeless costs
+the catch-up only. A generation's start books the same kind of evidence for the first position
+from the prompt (`observe_first`: target and draft predicting alike after its last
+`PROMPT_EVIDENCE` tokens), so that a new pair whose draft is hopeless does not explore at all.
 
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
@@ -29,15 +58,12 @@ once per sampling regime (temperature, top-p, top-k, min-p), since acceptance le
 says little about T = 1. And across processes (`policy_store.py`): a pair new to the process
 starts from what the last processes on this machine, device and dtype saved for it, and saves
 what it learns when a generation ends (at most every SAVE_EVERY seconds).
-
-A pair that has learned nothing yet does not conclude that plain decoding wins before k = 1..3
-have each been timed twice (`EXPLORE_KS`): one unlucky first probe (a traced step, a rejected
-draft) kept a fresh process plain for whole generations.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -49,8 +75,15 @@ from . import policy_store
 AUTO = "auto"
 AUTO_MAX_K = 8
 MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
-EXPLORE_KS = (1, 2, 3)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
+EXPLORE_KS = (1,)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
 EXPLORE_TIMES = 2
+PROMPT_EVIDENCE = 16  # the last prompt tokens whose predictions by target and draft are compared
+EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does not explore
+CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
+CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions count for at most
+STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their mean round)
+HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
+SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
 
@@ -58,18 +91,38 @@ LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then ne
 class RoundCosts:
     """Measured round costs of a (target, draft) pair, whatever the sampling: per k a moving
     average of a round's wall time and how many rounds were timed, and the draft's catch-up
-    when drafting resumes after plain rounds (the price of a switch)."""
+    when drafting resumes after plain rounds (the price of a switch): a fixed part plus a part
+    per plain round the draft missed, fitted by least squares over recent switches."""
 
     def __init__(self) -> None:
         self.round_seconds: dict[int, float] = {}
         self.timed: Counter[int] = Counter()
-        self.switch_seconds = 0.0
+        # discounted sums over switches of 1, behind, seconds, behind^2, behind * seconds
+        self.switch_fit = [0.0] * 5
         self.switches = 0
+
+    def book_switch(self, behind: int, seconds: float) -> None:
+        """A catch-up of `seconds` after `behind` plain rounds."""
+        w, b, c, bb, bc = (x * SWITCH_DECAY for x in self.switch_fit)
+        self.switch_fit = [w + 1, b + behind, c + seconds, bb + behind * behind,
+                           bc + behind * seconds]
+        self.switches += 1
+
+    def switch_cost(self, behind: int) -> float:
+        """Estimated seconds of a catch-up after `behind` plain rounds (0.0 before any)."""
+        w, b, c, bb, bc = self.switch_fit
+        if w <= 0:
+            return 0.0
+        mean_b, mean_c = b / w, c / w
+        spread = bb / w - mean_b * mean_b
+        slope = max(0.0, (bc / w - mean_b * mean_c) / spread) if spread > 1e-6 else 0.0
+        fixed = max(0.0, mean_c - slope * mean_b)
+        return fixed + slope * behind
 
     def to_json(self) -> dict[str, Any]:
         return {"round_seconds": {str(k): v for k, v in self.round_seconds.items()},
                 "timed": {str(k): n for k, n in self.timed.items()},
-                "switch_seconds": self.switch_seconds, "switches": self.switches}
+                "switch_fit": self.switch_fit, "switches": self.switches}
 
     def load(self, data: dict[str, Any]) -> None:
         """Start from saved costs (ValueError/TypeError/KeyError if they are not ours)."""
@@ -79,7 +132,10 @@ class RoundCosts:
             raise ValueError("round costs must be positive, timed only where measured")
         self.round_seconds.update(seconds)
         self.timed.update(timed)
-        self.switch_seconds = float(data["switch_seconds"])
+        fit = [float(x) for x in data["switch_fit"]]
+        if len(fit) != 5 or fit[0] < 0:
+            raise ValueError("switch_fit must be 5 sums")
+        self.switch_fit = fit
         self.switches = int(data["switches"])
 
 
@@ -109,6 +165,14 @@ class DraftLengthPolicy:
         self.round_seconds, self.timed = self.costs.round_seconds, self.costs.timed
         self.probe_budget = probe_budget
         self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
+        self.stretch = [0.0, 0]  # seconds and timed rounds of plain rounds not yet booked
+        self.pending: float | None = None  # the latest plain round's seconds (if not the last)
+        self.behind = 0  # plain rounds since the last drafting round (the draft missed them)
+        self.rng = random.Random(0)  # Thompson draws (seeded: a run's choices are repeatable)
+        # whether the loop looks before it leaps: a round after plain rounds first catches the
+        # draft up, books its predictions (`observe`) and chooses again, so that a probe which
+        # finds speculation hopeless costs only the catch-up (set per generation by the loop)
+        self.looks = False
         self.chosen: Counter[int] = Counter()
 
     # -- estimates -------------------------------------------------------------------------------
@@ -141,6 +205,15 @@ class DraftLengthPolicy:
             total += reach
         return total
 
+    def _draw(self) -> list[float]:
+        """A draw of each draft position's acceptance from its posterior under a uniform prior,
+        Beta(1 + accepted, 1 + rejected): not centred on the pooled rate, which the same few
+        rounds drive (3 rejected first rounds then left almost no chance of a probe), and wide
+        where a position has not been reached (so longer drafts get tried when shorter ones
+        are accepted)."""
+        return [self.rng.betavariate(1.0 + a, 1.0 + r)
+                for a, r in zip(self.accepted, self.rejected)]
+
     def acceptance_means(self) -> list[float]:
         """Posterior mean acceptance per position, the prior centred on the pooled rate."""
         total_a, total_r = sum(self.accepted), sum(self.rejected)
@@ -154,8 +227,13 @@ class DraftLengthPolicy:
     def choose(self, limit: int) -> int:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one)."""
         limit = max(0, min(limit, self.k_max))
-        if 0 not in self.round_seconds or limit == 0:
+        if limit == 0:
             return 0
+        # the first position's mean acceptance under a uniform prior: 1/3 after one rejection
+        promising = (1.0 + self.accepted[0]) / (2.0 + self.accepted[0] + self.rejected[0]) \
+            >= EXPLORE_MIN
+        if 0 not in self.round_seconds:  # a new pair: k = 1 while the draft is in step, then R(0)
+            return 1 if self.timed[1] < EXPLORE_TIMES and self.behind == 0 and promising else 0
         reach = 2 * max(k for k in self.round_seconds) + 1
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
@@ -170,19 +248,34 @@ class DraftLengthPolicy:
             self.plain_seconds = 0.0
             return best
         untried = [k for k in EXPLORE_KS if k <= limit and self.timed[k] < EXPLORE_TIMES]
-        if untried:  # too little evidence yet to give up on speculation
+        if untried and promising:  # too little evidence yet to give up on speculation
             return untried[0]
+        # Thompson sampling (module docstring). Judged on the sustained rate, not on "this
+        # round alone pays, catch-up included": on the demo pair that asked for a drawn
+        # acceptance > 0.94 and never happened.
+        # Acting on a draw costs the catch-up: only a draw under which drafting the next
+        # HORIZON tokens would save more than that acts (else each draw that favoured drafting
+        # by a hair bought a catch-up: every third round on the demo pair).
+        switch = self.costs.switch_cost(self.behind)
+        drawn = self._draw()
+        drawn_rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k) for k in rates}
+        pick = max(drawn_rates, key=lambda k: (drawn_rates[k], -k))
+        if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rates[pick]) > switch:
+            self.plain_seconds = 0.0
+            return pick
         # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
         # last probe have earned it: its expected loss (seconds beyond what plain decoding would
         # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
         # that time. So probing costs at most ~probe_budget of the decode time, a hopeless k is
         # probed rarely and a cheap probe often.
-        # A probe also pays the draft's catch-up on the plain stretch (`switch_seconds`, as
-        # measured at past switches) and interrupts pipelined plain decoding (the step after the
-        # stretch is not overlapped with the host's work: one plain round's worth).
+        # A probe also pays the draft's catch-up on the plain rounds it missed (priced per
+        # token as measured at past switches); what it costs pipelined plain decoding to stop
+        # and start again is in R(0), a stretch's mean round.
+        # A probe that looks first costs the catch-up only: the round drafts only if the
+        # evidence then says it pays.
         expected = self.expected_tokens(alphas, best)
-        loss = (self.round_cost(best) + self.costs.switch_seconds + self.round_seconds[0]
-                - expected * self.round_seconds[0])
+        loss = switch if self.looks else (self.round_cost(best) + switch
+                                          - expected * self.round_seconds[0])
         if self.plain_seconds * self.probe_budget >= loss:
             self.plain_seconds = 0.0
             return best
@@ -196,11 +289,11 @@ class DraftLengthPolicy:
         price of a switch, which prices probes but not sustained drafting (round_seconds)."""
         self.chosen[k] += 1
         if catch_up > 0:
-            costs = self.costs
-            costs.switches += 1
-            weight = max(self.smoothing, 1.0 / costs.switches)
-            costs.switch_seconds += weight * (catch_up - costs.switch_seconds)
+            self.costs.book_switch(self.behind, catch_up)
+            self.behind = 0  # the draft has caught up (a round may still end up plain)
+        self.behind = self.behind + 1 if k == 0 else 0
         if k > 0:  # forget per observation: a stretch of plain rounds keeps the last evidence
+            self.end_stretch()
             for i in range(self.k_max):
                 self.accepted[i] *= self.decay
                 self.rejected[i] *= self.decay
@@ -212,12 +305,66 @@ class DraftLengthPolicy:
             return
         if k == 0:
             self.plain_seconds += seconds
+            if self.behind <= 1:  # a stretch's first round: two steps' wait
+                return
+            if self.pending is not None:  # not the stretch's last round after all
+                self.stretch[0] += self.pending
+                self.stretch[1] += 1
+            self.pending = seconds
+            if self.stretch[1] and (0 not in self.round_seconds
+                                    or self.stretch[1] >= STRETCH_BOOK):
+                self._book_stretch()  # the first estimate at once: nothing is chosen without it
+            return
+        self._book(k, seconds, 1)
+
+    def observe(self, matches: list[bool]) -> None:
+        """Book the evidence of a greedy draft's catch-up: whether its prediction after each
+        token it was fed was the token that followed. A one-token draft at each of those
+        positions would have been accepted exactly there, and a longer one as far as the run of
+        matches from there goes (a position past the catch-up is not booked: unobserved). The
+        runs overlap, so the catch-up counts as at most CATCH_UP_WEIGHT rounds' evidence."""
+        n = len(matches)
+        accepted, reached = [0] * self.k_max, [0] * self.k_max
+        for t in range(n):
+            for i in range(min(self.k_max, n - t)):
+                reached[i] += 1
+                if not matches[t + i]:
+                    break
+                accepted[i] += 1
+        scale = min(1.0, CATCH_UP_WEIGHT / n) if n else 0.0
+        for i in range(self.k_max):
+            self.accepted[i] += scale * accepted[i]
+            self.rejected[i] += scale * (reached[i] - accepted[i])
+
+    def observe_first(self, agreed: list[bool]) -> None:
+        """Book evidence on the first draft position only: whether target and draft predicted
+        alike after each of the last prompt tokens (where a greedy one-token draft would have
+        been accepted), at most CATCH_UP_WEIGHT rounds' worth."""
+        if agreed:
+            scale = min(1.0, CATCH_UP_WEIGHT / len(agreed))
+            self.accepted[0] += scale * sum(agreed)
+            self.rejected[0] += scale * (len(agreed) - sum(agreed))
+
+    def end_stretch(self) -> None:
+        """A stretch of plain rounds has ended (drafting resumes, or the generation ends): its
+        last round, which waited for almost nothing, is left out as its first was."""
+        self.pending = None
+        self._book_stretch()
+
+    def _book_stretch(self) -> None:
+        seconds, rounds = self.stretch
+        if rounds:
+            self.stretch = [0.0, 0]
+            self._book(0, seconds / rounds, rounds)
+
+    def _book(self, k: int, seconds: float, rounds: int) -> None:
+        """Fold `rounds` rounds of `seconds` each into R(k)."""
         # running mean over the first 1/smoothing timed rounds, then a moving average; plain
         # rounds are single tokens (many, and noisier one by one): a longer memory
-        self.timed[k] += 1
+        self.timed[k] += rounds
         old = self.round_seconds.get(k, 0.0)
         smoothing = self.smoothing / 3 if k == 0 else self.smoothing
-        weight = max(smoothing, 1.0 / self.timed[k])
+        weight = max(1.0 - (1.0 - smoothing) ** rounds, rounds / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
 
 
@@ -309,12 +456,16 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
         pair = _SHARED[key] = _Pair(target, draft, _store_key(target, draft))
     policy = pair.policy(regime, draft_ratio)
     policy.plain_seconds = 0.0
+    policy.behind = 0  # a generation's draft starts in step with its target (both prefilled)
     policy.pair = pair
     return policy
 
 
 def save_policy(policy: DraftLengthPolicy | None, force: bool = False) -> None:
-    """After a generation: save what its pair has learned (see `_Pair.save`)."""
+    """After a generation: book its last plain rounds and save what its pair has learned (see
+    `_Pair.save`)."""
+    if policy is not None:
+        policy.end_stretch()
     pair = getattr(policy, "pair", None)
     if pair is not None:
         pair.save(force)

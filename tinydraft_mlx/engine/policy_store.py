@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-VERSION = 1
+VERSION = 2  # 2: the switch cost is per token the draft missed
 ENV = "TINYDRAFT_POLICY_FILE"
 MAX_ENTRIES = 64  # pairs kept in the file; the least recently saved go first
 SAMPLE = 256  # weight values per sampled tensor in a fingerprint

@@ -35,7 +35,15 @@ from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter
 from .forward import PREFILL_STEP, forward, prefill, traces, vocab_width
-from .policy import AUTO, DraftLengthPolicy, sampling_regime, save_policy, shared_policy
+from .policy import (
+    AUTO,
+    CATCH_UP_EVIDENCE,
+    PROMPT_EVIDENCE,
+    DraftLengthPolicy,
+    sampling_regime,
+    save_policy,
+    shared_policy,
+)
 from .rejection import greedy_accept, speculative_accept
 from .sampling import Processor, SamplingParams, process_logits, sample_rows, warp
 from .stats import GenerationStats
@@ -141,6 +149,11 @@ class _Generation:
         before this one's token is read; from k="auto"'s local timings, tensor-parallel ranks
         would have to agree on it every token, so they run its plain rounds unpipelined."""
         return self.ranks is None or self.policy is None
+
+    def reconsider(self, matches: list[bool], limit: int) -> int:
+        """This round's k again, once the policy has booked the catch-up's evidence."""
+        self.policy.observe(matches)
+        return self.policy.choose(limit)
 
     def choose(self, limit: int) -> int:
         """k for a round that may emit at most limit + 1 tokens."""
@@ -249,19 +262,33 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
         def progress(done: int) -> None:
             callback(done, len(pending))
 
+    auto = k == AUTO and g.drafter.drafts
+    # k="auto" learns from the draft's greedy predictions where they tell what a greedy draft
+    # would have had accepted: greedy decoding, without logits processors (the draft would
+    # apply them), on one rank (ranks agree on k once a round); from the last prompt tokens
+    # here (whether target and draft predict alike after each), from the plain rounds it
+    # catches up on later (`_rounds`)
+    looks = auto and g.sampling.greedy and not g.processors and g.ranks is None
+    predict = PROMPT_EVIDENCE if looks else 0
     start = time.perf_counter()
     with mx.stream(g.stream):
         if progress is not None:
             progress(0)
-        prefill(g.target, g.target_cache, pending, progress=progress)
+        expected = prefill(g.target, g.target_cache, pending, progress=progress,
+                           predict=predict)
         target_prefill = time.perf_counter() - start
-        g.drafter.begin(g.seq, draft_cache)  # a draft model prefills what it lacks
+        predicted = g.drafter.begin(g.seq, draft_cache, predict=predict)  # prefills it
     g.stats.prefill_seconds = time.perf_counter() - start
-    if k == AUTO and g.drafter.drafts:  # acceptance is learned per sampling regime
+    if auto:  # acceptance is learned per sampling regime
         draft_prefill = g.stats.prefill_seconds - target_prefill
         ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
                                  sampling_regime(g.sampling))
+        g.policy.looks = looks
+        both = min(len(expected), len(predicted))  # the same last positions of the prompt
+        if both:
+            g.policy.observe_first([a == b for a, b in zip(expected[-both:],
+                                                           predicted[-both:])])
         g.stats.policy = g.policy
 
 
@@ -277,10 +304,15 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         limit = g.max_tokens - g.stats.generated - 1
         k = g.choose(limit) if chosen is None else chosen
         chosen, catch_up = None, 0.0
+        if k > 0:  # after plain rounds the draft catches up first, which k="auto" learns from
+            with mx.stream(g.stream):
+                catch_up, matches = g.drafter.catch_up(
+                    predict=CATCH_UP_EVIDENCE if g.policy is not None and g.policy.looks else 0)
+            if matches:
+                k = g.reconsider(matches, limit)
         if k > 0:
             draft_key, verify_key = g.split(2)
             with mx.stream(g.stream):
-                catch_up = g.drafter.catch_up()
                 history = mx.array(g.seq, dtype=mx.int32) if g.processors else None
                 drafts, q = _propose(g.drafter, k, g.sampling, draft_key, g.width, history,
                                      g.processors)
@@ -297,7 +329,6 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                                        start, timed, catch_up)):
                     return
                 continue
-        pipelined = step is not None
         if step is None:  # nothing queued: this round's step goes first
             step = _queue(g, mx.array(g.seq[-1:], dtype=mx.int32), None)
         following = None
@@ -306,9 +337,9 @@ def _rounds(g: _Generation) -> Iterator[Token]:
             if chosen == 0:
                 following = _queue(g, step.token, step.history)
         token = step.token.item()
-        # timed: a pipelined step that traced nothing (a stretch's first step overlapped
-        # nothing: the probe's price counts that); ranks run every plain step unpipelined
-        timed = g.traces() == traced and (pipelined or not g.pipelined)
+        # timed unless it traced a compiled step; the policy books a stretch of plain rounds
+        # as its mean round (the first waits for the step queued behind it, the last for little)
+        timed = g.traces() == traced
         if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up)):
             return
         step = following
