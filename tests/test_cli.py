@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests.scripted import ScriptedPolicy
 from tinydraft_mlx.cli import main
 
 
@@ -23,20 +24,10 @@ EDITING = (
 )
 
 
-class _Scripted:
+class _Scripted(ScriptedPolicy):
     """A k="auto" policy playing a fixed schedule, so the test does not depend on timings."""
 
-    SCHEDULE = [0, 2, 1]
-
-    def __init__(self):
-        self.rounds = 0
-
-    def choose(self, limit):
-        self.rounds += 1
-        return min(self.SCHEDULE[(self.rounds - 1) % 3], limit)
-
-    def update(self, k, accepted, seconds, catch_up=0.0):
-        pass
+    SCHEDULE = (0, 2, 1)
 
 
 def test_cli_auto_k_reaches_the_policy(checkpoints, capsys, monkeypatch):

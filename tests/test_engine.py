@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.scripted import ScriptedPolicy
 from tinydraft_mlx import SamplingParams, generate, stream_generate
 from tinydraft_mlx.engine.cache import cache_length, make_cache, rollback
 from tinydraft_mlx.engine.speculative import decode, prefill
@@ -156,12 +157,13 @@ def test_draft_none_string_means_plain_decoding(pair, reference):
     assert [r.token for r in stream_generate(target, "None", tok, ids, max_tokens=3)] == ref[:3]
 
 
-class _Recording:
+class _Recording(ScriptedPolicy):
     """A k="auto" policy playing plain rounds, then k = 2, recording what each round cost."""
 
-    SCHEDULE = [0, 0, 0, 0, 0, 2, 2]
+    SCHEDULE = (0, 0, 0, 0, 0, 2, 2)
 
     def __init__(self):
+        super().__init__()
         self.updates, self.catch_ups, self.calls = [], [], 0
 
     def choose(self, limit):  # the n-th call chooses the n-th round
@@ -190,7 +192,7 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
     def slow_catch_up(model, cache, tokens, *args, **kwargs):
         if in_rounds:
             time.sleep(0.2)
-        real(model, cache, tokens, *args, **kwargs)
+        return real(model, cache, tokens, *args, **kwargs)
 
     monkeypatch.setattr(drafters, "prefill", slow_catch_up)  # the draft model's catch-up
     steps = stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20)
@@ -213,7 +215,7 @@ def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, sched
     target, draft, tok = pair
     ids, ref = reference
     policy = _Recording()
-    policy.SCHEDULE = schedule
+    policy.SCHEDULE = tuple(schedule)
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
     tc, dc = make_cache(target), make_cache(draft)
     tokens = list(decode(target, draft, ids, k="auto", max_tokens=40, target_cache=tc,
@@ -237,7 +239,7 @@ def test_a_lookup_round_that_finds_nothing_is_a_plain_step(pair, reference, monk
     target, _, _ = pair
     ids, ref = reference
     policy = _Recording()
-    policy.SCHEDULE = [3]  # always ask for 3 drafts
+    policy.SCHEDULE = (3,)  # always ask for 3 drafts
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
     tokens = list(decode(target, PromptLookup(), ids, k="auto", max_tokens=40))
     assert [t.id for t in tokens] == ref[:40]

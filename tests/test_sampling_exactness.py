@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.reference import chi2_statistic, chi2_threshold, two_step_joint, windowed_logits
+from tests.scripted import ScriptedPolicy
 from tinydraft_mlx import Hybrid, PromptCache, generate
 from tinydraft_mlx.engine.drafters import draft_model
 
@@ -32,19 +33,13 @@ PROMPT = "def parse_args(self, args=None):"
 WINDOW = 12  # max_kv_size of the bounded case; its prompt is longer
 
 
-class _PlainThenOne:
+class _PlainThenOne(ScriptedPolicy):
     """k="auto" schedule for the test: a plain round, then k = 1 (what the real policy does on
     most machines, but not on all: this makes it certain)."""
-
-    def __init__(self, *args, **kwargs):
-        self.rounds = 0
 
     def choose(self, limit):
         self.rounds += 1
         return 0 if self.rounds == 1 else min(1, limit)
-
-    def update(self, k, accepted, seconds, catch_up=0.0):
-        pass
 
 
 def _case(name, pair, oracle, load):

@@ -44,9 +44,8 @@ from .sampling import (
     ParameterError,
     Processor,
     SamplingParams,
+    draw,
     process_logits,
-    sample_rows,
-    warp,
 )
 
 MODEL = "model"
@@ -378,8 +377,7 @@ def _draft_chain(
         if params.greedy:
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:
-            q = warp(logits, params)
-            token = sample_rows(q, keys[i])
+            q, token = draw(logits, params, keys[i])
             qs.append(q)
         mx.async_eval(token)
         tokens.append(token)

@@ -8,8 +8,9 @@ policy picks argmax_k E(k) / R(k) over k = 0 (plain decoding) .. k_max.
 
 Both sides are measured online, not assumed:
 - alpha_i: accepted / reached counts per position, discounted by `decay` at every speculative
-  round so that the estimate follows the text; a position with little data borrows strength from
-  the pooled rate (posterior mean under a prior of weight `prior_strength` centred on it).
+  round (and every plain one where the loop `looks`, below) so that the estimate follows the text;
+  a position with little data borrows strength from the pooled rate (posterior mean under a prior
+  of weight `prior_strength` centred on it).
 - R(k): an exponential moving average of the measured wall time of rounds that drafted k. R(0) is
   the mean of a stretch of plain rounds without its first and last rounds, booked every
   `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
@@ -292,11 +293,14 @@ class DraftLengthPolicy:
             self.costs.book_switch(self.behind, catch_up)
             self.behind = 0  # the draft has caught up (a round may still end up plain)
         self.behind = self.behind + 1 if k == 0 else 0
-        if k > 0:  # forget per observation: a stretch of plain rounds keeps the last evidence
+        if k > 0:
             self.end_stretch()
-            for i in range(self.k_max):
-                self.accepted[i] *= self.decay
-                self.rejected[i] *= self.decay
+        if k > 0 or self.looks:  # forget per observation, and where the loop looks before it
+            for i in range(self.k_max):  # leaps per plain round too: evidence from the text of
+                self.accepted[i] *= self.decay  # long ago (a hard start) fades while drafting
+                self.rejected[i] *= self.decay  # is off, and a cheap look at the text of now
+                # decides (without looks, a stretch of plain rounds keeps the last evidence:
+                # a probe then costs a whole round)
         for i in range(min(accepted, self.k_max)):
             self.accepted[i] += 1.0
         if accepted < k:
@@ -305,8 +309,8 @@ class DraftLengthPolicy:
             return
         if k == 0:
             self.plain_seconds += seconds
-            if self.behind <= 1:  # a stretch's first round: two steps' wait
-                return
+            if self.behind <= 1:  # a stretch's first round: two steps' wait (the loop does
+                return  # not time it either)
             if self.pending is not None:  # not the stretch's last round after all
                 self.stretch[0] += self.pending
                 self.stretch[1] += 1

@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -108,12 +109,42 @@ def warp(logits: mx.array, params: SamplingParams) -> mx.array:
     return _compiled_warp(params.temperature, params.top_p, params.top_k, params.min_p)(logits)
 
 
+def with_warp(fn: Callable[..., Any], params: SamplingParams) -> Callable[..., Any]:
+    """`lambda logits, *args: fn(warp(logits, params), *args)` as one compiled graph (per `fn`,
+    setting and shapes): what a sampled round does with its warped distributions (draw from
+    them, or run the acceptance rule) fused with the warp. On the CPU each separate op costs
+    its dispatch: a draw took 0.20 ms on its own and 0.05 ms fused, the acceptance rule 0.42 vs
+    0.25 (demo vocabulary, 4096)."""
+    if params.greedy:
+        raise ValueError("with_warp() needs temperature > 0; greedy decoding uses the argmax")
+    return _compiled_with_warp(fn, params.temperature, params.top_p, params.top_k, params.min_p)
+
+
+def draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[mx.array, mx.array]:
+    """(warped probabilities, one `sample_rows` draw per row), in one compiled graph."""
+    return with_warp(_with_draw, params)(logits, key)
+
+
+def _with_draw(probs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    return probs, sample_rows(probs, key)
+
+
+def _identity(probs: mx.array) -> mx.array:
+    return probs
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled_warp(temperature: float, top_p: float, top_k: int, min_p: float):
-    def one(logits: mx.array) -> mx.array:
-        return _warp(logits, temperature, top_p, top_k, min_p)
+    return _compiled_with_warp(_identity, temperature, top_p, top_k, min_p)
 
-    return mx.compile(one)
+
+@functools.lru_cache(maxsize=64)
+def _compiled_with_warp(fn: Callable[..., Any], temperature: float, top_p: float, top_k: int,
+                        min_p: float):
+    def run(logits: mx.array, *args: mx.array) -> Any:
+        return fn(_warp(logits, temperature, top_p, top_k, min_p), *args)
+
+    return mx.compile(run)
 
 
 def _warp(logits: mx.array, temperature: float, top_p: float, top_k: int,

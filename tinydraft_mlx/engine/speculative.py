@@ -45,7 +45,7 @@ from .policy import (
     shared_policy,
 )
 from .rejection import greedy_accept, speculative_accept
-from .sampling import Processor, SamplingParams, process_logits, sample_rows, warp
+from .sampling import Processor, SamplingParams, draw, process_logits, with_warp
 from .stats import GenerationStats
 
 __all__ = ["PREFILL_STEP", "Processor", "Progress", "Token", "decode", "max_draft_length",
@@ -102,9 +102,8 @@ def _verify(
     if params.greedy:
         n, token = greedy_accept(mx.argmax(logits, axis=-1), drafts[None])
     else:
-        p = warp(logits, params)
-        q = q[None] if q is not None else mx.zeros((1, 0, p.shape[-1]), dtype=p.dtype)
-        n, token = speculative_accept(p, q, drafts[None], key)
+        q = q[None] if q is not None else mx.zeros((1, 0, logits.shape[-1]), dtype=mx.float32)
+        n, token = with_warp(speculative_accept, params)(logits, q, drafts[None], key)
     logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (k+1, Vp)
     return mx.concatenate([n, token, drafts]).tolist(), logprobs
 
@@ -329,6 +328,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                                        start, timed, catch_up)):
                     return
                 continue
+        pipelined = step is not None
         if step is None:  # nothing queued: this round's step goes first
             step = _queue(g, mx.array(g.seq[-1:], dtype=mx.int32), None)
         following = None
@@ -337,9 +337,10 @@ def _rounds(g: _Generation) -> Iterator[Token]:
             if chosen == 0:
                 following = _queue(g, step.token, step.history)
         token = step.token.item()
-        # timed unless it traced a compiled step; the policy books a stretch of plain rounds
-        # as its mean round (the first waits for the step queued behind it, the last for little)
-        timed = g.traces() == traced
+        # timed: a pipelined step that traced nothing (a stretch's first step waits for the
+        # one queued behind it too; the policy leaves its last, which waits for little, out of
+        # R(0) as well); ranks run every plain step unpipelined
+        timed = g.traces() == traced and (pipelined or not g.pipelined)
         if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up)):
             return
         step = following
@@ -401,7 +402,7 @@ def _plain_step(
     if sampling.greedy:
         nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
     else:
-        nxt = sample_rows(warp(logits, sampling), key)
+        nxt = draw(logits, sampling, key)[1]
     return nxt, logprobs, (mx.concatenate([history, nxt]) if processors else None)
 
 

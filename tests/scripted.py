@@ -1,0 +1,41 @@
+"""A stand-in for `k="auto"`'s policy that plays a fixed schedule of k, cycling, so that a test
+does not depend on this machine's timings. It implements what the decode loop asks of a policy:
+`choose` and `update`, the evidence hooks (`observe`, `observe_first`, `end_stretch`: recorded,
+not used) and `looks` (whether a round after plain rounds catches the draft up, books its
+predictions and chooses again: `LOOKS`, fixed per class whatever the loop sets)."""
+
+from __future__ import annotations
+
+
+class ScriptedPolicy:
+    SCHEDULE: tuple[int, ...] = (1,)
+    LOOKS = False
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.rounds = 0
+        self.observed: list[list[bool]] = []
+
+    @property
+    def looks(self) -> bool:
+        return self.LOOKS
+
+    @looks.setter
+    def looks(self, value: bool) -> None:
+        pass  # the schedule decides
+
+    def choose(self, limit: int) -> int:
+        k = self.SCHEDULE[self.rounds % len(self.SCHEDULE)]
+        self.rounds += 1
+        return min(k, limit)
+
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
+        pass
+
+    def observe(self, matches: list[bool]) -> None:
+        self.observed.append(matches)
+
+    def observe_first(self, agreed: list[bool]) -> None:
+        self.observed.append(agreed)
+
+    def end_stretch(self) -> None:
+        pass
