@@ -5,7 +5,8 @@
     python bench/auto.py --target $S/1.5B --draft $S/0.5B --alphas 0.0 0.5 0.9 --prompts 1 \\
         --max-tokens 24 --temps 0.0 --repeats 1 --name auto_shapes
 
-Cells: the real draft at each temperature, and the oracle-acceptance draft (bench/oracle_draft.py,
+Cells: the real draft at each temperature (above 0 with top-p 0.8 and top-k 20, Qwen2.5-Instruct's
+shipped defaults; --top-p, --top-k), and the oracle-acceptance draft (bench/oracle_draft.py,
 greedy) at each alpha, alpha 0 being the case where speculation cannot pay. In every cell, per
 prompt and repeat, the contenders take turns: plain, k = 1..K, "auto warm" (the pair's shared
 policy, already trained by earlier generations of the same cell) and "auto cold" (a fresh policy:
@@ -46,20 +47,21 @@ def cold() -> None:
 
 def run_cell(target, tok, prompts, draft_for, ks, args, temp) -> dict:
     names = ["plain", *(f"k={k}" for k in ks), "auto warm", "auto cold"]
+    sampling = {} if temp == 0 else {"top_p": args.top_p, "top_k": args.top_k}
     rates = {name: [] for name in names}
     for rep in range(args.repeats):
         for i, ids in enumerate(prompts):
             draft = draft_for(i)
             # train the warm policy on this pair first (not timed)
             ours(target, draft, tok, ids, k="auto", max_tokens=args.max_tokens, temp=temp,
-                 seed=rep)
+                 seed=rep, **sampling)
             for name in names:
                 k = "auto" if name.startswith("auto") else 1 if name == "plain" else int(name[2:])
                 if name == "auto cold":
                     cold()
                 rates[name].append(ours(target, None if name == "plain" else draft, tok, ids,
                                         k=k, max_tokens=args.max_tokens, temp=temp,
-                                        seed=rep)[1])
+                                        seed=rep, **sampling)[1])
     tok_s = {name: statistics.median(r) for name, r in rates.items()}
     fixed = {n: v for n, v in tok_s.items() if n.startswith("k=")}
     best = max(fixed, key=fixed.get)
@@ -75,14 +77,16 @@ def run_cell(target, tok, prompts, draft_for, ks, args, temp) -> dict:
 
 def main() -> None:
     ap = pair_parser(__doc__.splitlines()[0], prompts=4, max_tokens=64)
-    ap.add_argument("--temps", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--top-p", type=float, default=0.8, help="at temperatures > 0")
+    ap.add_argument("--top-k", type=int, default=20, help="at temperatures > 0")
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.0, 0.5, 0.9])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default="auto")
     args = ap.parse_args()
     target, draft, tok = load_models(args.target, args.draft)
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
-    for k in [None, *args.ks]:  # warm-up: trace every compiled shape used below
+    for k in [None, *range(1, policy_module.AUTO_MAX_K + 1)]:  # trace every shape used below
         ours(target, draft if k else None, tok, prompts[0], k=k or 1, max_tokens=args.max_tokens,
              temp=0.0, seed=0)
     refs = [ids + ours(target, None, tok, ids, k=1, max_tokens=args.max_tokens, temp=0.0,

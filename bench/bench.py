@@ -55,14 +55,15 @@ def decode_rate(items) -> tuple[list[int], float, list]:
     return ids, (len(ids) - 1) / elapsed if elapsed > 0 else 0.0, extras
 
 
-def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed, compiled=True):
+def ours(target, draft, tok, ids, *, k, max_tokens, temp, seed, compiled=True, **sampling):
     """Our `stream_generate`; compiled=False runs the eager forward (TINYDRAFT_COMPILE=0), so
-    that ours-eager / mlx-lm is the loop's gain alone and ours / ours-eager the compiled step's."""
+    that ours-eager / mlx-lm is the loop's gain alone and ours / ours-eager the compiled step's.
+    `sampling`: more sampling settings (top_p, top_k, ...)."""
     saved = os.environ.get(COMPILE_ENV)
     os.environ[COMPILE_ENV] = "1" if compiled else "0"
     try:
         steps = stream_generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
-                                temperature=temp, seed=seed)
+                                temperature=temp, seed=seed, **sampling)
         out, rate, tokens = decode_rate((r.token, r) for r in steps)
     finally:
         if saved is None:

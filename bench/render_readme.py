@@ -204,8 +204,9 @@ def auto(r: dict) -> list[str]:
     lines = [
         f"**k=\"auto\" vs plain and fixed k** (`python bench/auto.py --repeats {s['repeats']}`; "
         f"demo pair, {s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens x "
-        f"{s['repeats']} repeats, contenders interleaved, medians; warm = the pair's policy "
-        "trained by earlier generations, cold = a fresh policy; "
+        f"{s['repeats']} repeats, contenders interleaved, medians; "
+        + (f"T > 0 with top-p {s['top_p']}, top-k {s['top_k']}; " if "top_p" in s else "")
+        + "warm = the pair's policy trained by earlier generations, cold = a fresh policy; "
         "[json](results/auto.json), [plot](results/auto.png))",
         "",
         "| draft | plain | " + " | ".join(f"k={k}" for k in s["ks"]) +
@@ -495,12 +496,15 @@ def auto_fresh(r: dict) -> list[str]:
         f"BLAS: {m['blas']}; [json](results/auto_fresh.json), [plot](results/auto_fresh.png)). "
         "Decode tokens/s (ratio to plain).",
         "",
-        "| draft, T | " + " | ".join(names) + " |",
-        "| --- | " + "--- | " * len(names),
+        "| draft, T | " + " | ".join(names) + " | best fixed k | "
+        + " | ".join(f"{n} / best fixed" for n in names if n.startswith("auto")) + " |",
+        "| --- | " + "--- | " * (len(names) + 1 + sum(n.startswith("auto") for n in names)),
     ]
     for c in r["cells"]:
         cells = [f"{c['tok_s'][n]:.0f} ({c['vs_plain'][n]:.2f}x)" for n in names]
-        lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells) + " |")
+        autos = [f"{c['vs_best_fixed'][n]:.2f}" for n in names if n.startswith("auto")]
+        lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells)
+                     + f" | {c['best_fixed']} | " + " | ".join(autos) + " |")
     return lines
 
 
