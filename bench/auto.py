@@ -29,6 +29,7 @@ that is always rejected: speculation cannot pay).
 from __future__ import annotations
 
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
+import os
 import statistics
 from pathlib import Path
 
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default="auto")
     args = ap.parse_args()
+    os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # warm and cold are about this process alone
     target, draft, tok = load_models(args.target, args.draft)
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     for k in [None, *range(1, policy_module.AUTO_MAX_K + 1)]:  # trace every shape used below
@@ -139,7 +141,6 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
 
 def fresh_main() -> None:
     import json
-    import os
     import subprocess
     import sys
     import tempfile
