@@ -9,6 +9,7 @@ import pytest
 from tests.scripted import ScriptedPolicy
 from tinydraft_mlx import SamplingParams, generate, stream_generate
 from tinydraft_mlx.engine.cache import cache_length, make_cache, rollback
+from tinydraft_mlx.engine.forward import model_inputs
 from tinydraft_mlx.engine.speculative import decode, prefill
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"
@@ -393,3 +394,83 @@ def test_generation_runs_on_mlx_lms_own_generation_stream(pair):
 
     assert generation_stream() is mlx_lm_stream
     assert generation_stream().device == mx.default_device()
+
+
+def _argmax_after_each(model, ids, margins=False):
+    """The model's greedy prediction after each token of `ids`, from one forward on a fresh
+    cache (eager: independent of the chunked prefill and of the compiled step); with
+    `margins`, also whether each is clear (top-1 logit above the top-2 by more than 1e-3:
+    elsewhere summation order may flip it)."""
+    ids = model_inputs(model, ids)  # ids beyond the draft's embedding become its last row
+    logits = np.array(model(mx.array(ids, dtype=mx.int32)[None], cache=make_cache(model))[0])
+    top = np.sort(logits, axis=-1)
+    clear = (top[:, -1] - top[:, -2] > 1e-3).tolist()
+    out = logits.argmax(axis=-1).tolist()
+    return (out, clear) if margins else out
+
+
+def _agree_where_clear(got, expected, clear):
+    """`got` equals `expected` at every clear position (and most positions are clear)."""
+    assert len(got) == len(expected) == len(clear)
+    assert sum(clear) >= 0.75 * len(clear), clear
+    bad = [i for i, (g, e, c) in enumerate(zip(got, expected, clear)) if c and g != e]
+    assert not bad, (bad, got, expected, clear)
+
+
+def test_prefill_predicts_after_its_last_tokens_across_chunks(pair):
+    target, _, tok = pair
+    ids = tok.encode(PROMPT)
+    expected = _argmax_after_each(target, ids)
+    for step, predict in [(512, 5), (4, 6), (4, len(ids)), (4, 0)]:
+        cache = make_cache(target)
+        got = prefill(target, cache, ids, step=step, predict=predict)
+        assert got == (expected[-predict:] if predict else [])
+        assert cache_length(cache) == len(ids)
+
+
+class _Looking(ScriptedPolicy):
+    """Greedy k="auto" as the real policy does it: it looks before it leaps."""
+
+    SCHEDULE = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2)
+    LOOKS = True
+
+
+def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_do(
+        pair, reference, monkeypatch):
+    """Greedy k="auto" books, before its first round, whether target and draft predict alike
+    after each of the prompt's last tokens, and after plain rounds whether the draft's argmax
+    after each token it catches up on was the token that followed: both must be what the two
+    models predict from the whole sequence (computed here independently); the output stays the
+    plain greedy one, and sampled generations take no such evidence."""
+    import tinydraft_mlx.engine.speculative as spec
+    from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE, PROMPT_EVIDENCE
+
+    target, draft, tok = pair
+    ids, ref = reference
+    policy = _Looking()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=24)]
+    assert out == ref[:24]
+    fed = ids[:-1]  # the prefill feeds all but the prompt's last token
+    (t_pred, t_clear), (d_pred, d_clear) = (_argmax_after_each(m, fed, margins=True)
+                                            for m in (target, draft))
+    n = min(PROMPT_EVIDENCE, len(fed))
+    _agree_where_clear(policy.observed[0], [a == b for a, b in zip(t_pred[-n:], d_pred[-n:])],
+                       [a and b for a, b in zip(t_clear[-n:], d_clear[-n:])])
+    seq = ids + out
+    # the 10 plain rounds emitted seq[len(ids):len(ids) + 10]; the catch-up feeds the draft
+    # what it missed but the last token: predictions after seq[j] for the last fed positions
+    caught = policy.observed[1]
+    end = len(ids) + 10 - 1  # the catch-up's last fed token is seq[end - 1]
+    # (ids beyond the fixture draft's embedding occur: reading them unclamped gave garbage)
+    after, clear = _argmax_after_each(draft, seq[:end], margins=True)
+    m = min(CATCH_UP_EVIDENCE, len(caught))
+    assert len(caught) == m and m >= 8
+    _agree_where_clear(caught, [after[j] == seq[j + 1] for j in range(end - m, end)],
+                       clear[end - m : end])
+    policy.observed.clear()
+    policy.rounds = 0
+    sampled = list(decode(target, draft, ids, k="auto", max_tokens=16,
+                          sampling=SamplingParams(1.0, seed=0)))
+    assert sampled[-1].stats.k_histogram[2] >= 1  # it did catch up and draft
+    assert policy.observed == []

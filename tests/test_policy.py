@@ -220,3 +220,78 @@ def test_a_fresh_pair_times_k_1_to_3_twice_before_concluding_plain():
     assert all(policy.timed[k] >= EXPLORE_TIMES for k in EXPLORE_KS), policy.timed
     assert sum(k > 0 for k in ks) <= len(EXPLORE_KS) * EXPLORE_TIMES + 2
     assert ks[-30:].count(0) >= 29  # then plain
+
+
+def test_a_catch_ups_predictions_are_booked_as_runs_of_accepted_drafts():
+    """observe(matches): a greedy draft starting after token t has its first i drafts accepted
+    while matches[t..t+i-1] hold; positions past the catch-up are not observed. By hand, for
+    matches 1 1 0 1: starts 0..3 reach position 0 four times (accepted 3), position 1 twice
+    (from t = 0 and t = 1, accepted once), position 2 once (rejected)."""
+    policy = DraftLengthPolicy(4)
+    policy.observe([True, True, False, True])
+    assert policy.accepted == [3.0, 1.0, 0.0, 0.0]
+    assert policy.rejected == [1.0, 1.0, 1.0, 0.0]
+    many = DraftLengthPolicy(4)
+    many.observe([True] * 32)  # overlapping runs: at most CATCH_UP_WEIGHT rounds' worth
+    assert many.accepted[0] == pytest.approx(8.0) and many.rejected == [0.0] * 4
+
+
+def test_the_prompts_evidence_is_about_the_first_position():
+    policy = DraftLengthPolicy(4)
+    policy.observe_first([True] * 12 + [False] * 4)
+    assert policy.accepted == [6.0, 0.0, 0.0, 0.0] and policy.rejected == [2.0, 0.0, 0.0, 0.0]
+
+
+def test_a_hopeless_draft_by_the_prompts_evidence_is_not_explored():
+    """A new pair whose draft never predicted as the target did after the prompt's last tokens
+    does not explore k = 1 at the start (without that evidence it does), and with acceptance 0
+    and a round of k costing 1 + k plain rounds it drafts only now and then afterwards."""
+    hopeless = DraftLengthPolicy()
+    hopeless.looks = True
+    hopeless.observe_first([False] * 16)
+    ks = []
+    for _ in range(200):
+        ks.append(hopeless.choose(100))
+        hopeless.update(ks[-1], 0, 1.0 + ks[-1])
+    # the probe budget (2% of the plain time: a probe priced at a plain round every ~50) and a
+    # few Thompson draws while the evidence fades: under 5% of the time in all
+    assert ks[:3] == [0, 0, 0] and sum(ks) <= 10, [(i, k) for i, k in enumerate(ks) if k]
+    assert DraftLengthPolicy().choose(100) == 1
+
+
+def test_thompson_probes_where_the_evidence_is_thin_not_where_it_is_strong():
+    """Plain decoding wins on the means in both; with 3 rejected rounds behind it a policy
+    still tries drafting now and then (a hard start must not decide a whole generation); with
+    40 it does not."""
+    def tried(rejected: float) -> int:
+        policy = DraftLengthPolicy(4)
+        policy.round_seconds.update({0: 1.0, 1: 1.3})
+        policy.timed.update({0: 5, 1: 5})
+        policy.rejected[0] = rejected
+        count = 0
+        for _ in range(300):
+            policy.plain_seconds = 0.0  # no probe budget: Thompson draws alone
+            count += policy.choose(4) > 0
+        return count
+
+    assert tried(3.0) >= 10
+    assert tried(40.0) == 0
+
+
+def test_a_probe_that_looks_first_is_priced_at_its_catch_up_only():
+    """Where the loop looks before it leaps, a probe that finds drafting hopeless costs only
+    the catch-up (the round then stays plain), so the budget allows it far sooner."""
+    def first_probe(looks: bool) -> int:
+        policy = DraftLengthPolicy(4)
+        policy.looks = looks
+        policy.round_seconds.update({0: 1.0, 1: 3.0})
+        policy.timed.update({0: 5, 1: 5})
+        policy.rejected[0] = 60.0  # hopeless: no Thompson probe, only the budget's
+        policy.costs.book_switch(10, 0.2)
+        for rounds in range(1, 1000):
+            if policy.choose(4) > 0:
+                return rounds
+            policy.update(0, 0, 1.0)
+        return 1000
+
+    assert first_probe(True) < 30 < first_probe(False)

@@ -89,3 +89,33 @@ def test_sampling_order_differs_from_mlx_lm_as_documented():
     assert sorted(ours.tolist()) == [0.0, 0.0, 1.0] and ours[2] == 0.0
     theirs = np.array(apply_top_k(tied - mx.logsumexp(tied), 1))
     assert np.isfinite(theirs).sum() == 1
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_fused_draws_and_acceptance_equal_the_separate_ops(setting):
+    """A sampled round runs the warp fused with what follows it in one compiled graph
+    (`draw`, `with_warp(speculative_accept, ...)`); the batched loop runs them as separate ops.
+    Both must give the same tokens for the same keys (a seeded row of a batch is the
+    generation alone: test_batch), so the fused graphs are checked draw for draw here."""
+    from tinydraft_mlx.engine.rejection import speculative_accept
+    from tinydraft_mlx.engine.sampling import draw, sample_rows, with_warp
+
+    params = SamplingParams(**setting)
+    rng = np.random.default_rng(1)
+    row = mx.array(rng.normal(scale=2.0, size=(1, 50)).astype(np.float32))
+    rows = mx.array(rng.normal(scale=2.0, size=(1, 4, 50)).astype(np.float32))
+    q = warp(mx.array(rng.normal(scale=2.0, size=(1, 3, 50)).astype(np.float32)), params)
+    drafts = mx.array([[int(np.argmax(np.array(q[0, i]))) for i in range(3)]], dtype=mx.int32)
+    fused_accept = with_warp(speculative_accept, params)
+    tokens, outcomes = set(), set()
+    for seed in range(200):
+        key = mx.random.key(seed)
+        probs, token = draw(row, params, key)
+        np.testing.assert_array_equal(np.array(probs), np.array(warp(row, params)))
+        assert token.item() == sample_rows(warp(row, params), key).item()
+        n, emitted = fused_accept(rows, q, drafts, key)
+        n_ref, emitted_ref = speculative_accept(warp(rows, params), q, drafts, key)
+        assert (n.item(), emitted.item()) == (n_ref.item(), emitted_ref.item())
+        tokens.add(token.item())
+        outcomes.add((n.item(), emitted.item()))
+    assert len(tokens) > 1 and len(outcomes) > 2  # the draws vary: the comparison has teeth

@@ -257,7 +257,9 @@ class DraftLengthPolicy:
         # Acting on a draw costs the catch-up: only a draw under which drafting the next
         # HORIZON tokens would save more than that acts (else each draw that favoured drafting
         # by a hair bought a catch-up: every third round on the demo pair).
-        switch = self.costs.switch_cost(self.behind)
+        # (before any catch-up was measured, one is priced as a plain round)
+        switch = (self.costs.switch_cost(self.behind) if self.costs.switches
+                  else self.round_seconds[0])
         drawn = self._draw()
         drawn_rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k) for k in rates}
         pick = max(drawn_rates, key=lambda k: (drawn_rates[k], -k))
@@ -272,11 +274,11 @@ class DraftLengthPolicy:
         # A probe also pays the draft's catch-up on the plain rounds it missed (priced per
         # token as measured at past switches); what it costs pipelined plain decoding to stop
         # and start again is in R(0), a stretch's mean round.
-        # A probe that looks first costs the catch-up only: the round drafts only if the
-        # evidence then says it pays.
+        # A probe that looks first (the draft is behind: it catches up before drafting) costs
+        # the catch-up only: the round drafts only if the evidence then says it pays.
         expected = self.expected_tokens(alphas, best)
-        loss = switch if self.looks else (self.round_cost(best) + switch
-                                          - expected * self.round_seconds[0])
+        loss = switch + (0.0 if self.looks and self.behind > 2 else
+                         self.round_cost(best) - expected * self.round_seconds[0])
         if self.plain_seconds * self.probe_budget >= loss:
             self.plain_seconds = 0.0
             return best

@@ -141,6 +141,7 @@ class _Generation:
     policy: DraftLengthPolicy | None = None
     ranks: object = None
     width: int | None = None
+    looks: bool = False  # k="auto" takes the draft's greedy predictions as evidence (_prefill)
 
     @property
     def pipelined(self) -> bool:
@@ -267,8 +268,8 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
     # apply them), on one rank (ranks agree on k once a round); from the last prompt tokens
     # here (whether target and draft predict alike after each), from the plain rounds it
     # catches up on later (`_rounds`)
-    looks = auto and g.sampling.greedy and not g.processors and g.ranks is None
-    predict = PROMPT_EVIDENCE if looks else 0
+    g.looks = auto and g.sampling.greedy and not g.processors and g.ranks is None
+    predict = PROMPT_EVIDENCE if g.looks else 0
     start = time.perf_counter()
     with mx.stream(g.stream):
         if progress is not None:
@@ -283,7 +284,8 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
         ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
                                  sampling_regime(g.sampling))
-        g.policy.looks = looks
+        g.policy.looks = g.looks
+        g.looks = g.looks and g.policy.looks  # (a stand-in policy may decline)
         both = min(len(expected), len(predicted))  # the same last positions of the prompt
         if both:
             g.policy.observe_first([a == b for a, b in zip(expected[-both:],
@@ -306,7 +308,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         if k > 0:  # after plain rounds the draft catches up first, which k="auto" learns from
             with mx.stream(g.stream):
                 catch_up, matches = g.drafter.catch_up(
-                    predict=CATCH_UP_EVIDENCE if g.policy is not None and g.policy.looks else 0)
+                    predict=CATCH_UP_EVIDENCE if g.looks else 0)
             if matches:
                 k = g.reconsider(matches, limit)
         if k > 0:
