@@ -8,9 +8,9 @@ policy picks argmax_k E(k) / R(k) over k = 0 (plain decoding) .. k_max.
 
 Both sides are measured online, not assumed:
 - alpha_i: accepted / reached counts per position, discounted by `decay` at every speculative
-  round (and every plain one where the loop `looks`, below) so that the estimate follows the text;
-  a position with little data borrows strength from the pooled rate (posterior mean under a prior
-  of weight `prior_strength` centred on it).
+  round (and by `PLAIN_DECAY` at every plain one where the loop `looks`, below) so that the
+  estimate follows the text; a position with little data borrows strength from the pooled rate
+  (posterior mean under a prior of weight `prior_strength` centred on it).
 - R(k): an exponential moving average of the measured wall time of rounds that drafted k. R(0) is
   the mean of a stretch of plain rounds without its first and last rounds, booked every
   `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
@@ -34,10 +34,11 @@ generation there).
 
 When plain decoding wins on the means, speculation is still tried in two ways:
 - Thompson sampling: each position's acceptance is drawn from its posterior (uniform prior); if
-  drafting would beat plain decoding at the drawn values by enough to repay the catch-up within
-  `HORIZON` tokens, the best k there is tried. Where the evidence is thin (a new pair whose first
-  drafts were rejected: the first tokens after a prompt are often the hardest) that happens now
-  and then; with much evidence against, almost never.
+  drafting (a k whose cost has been measured) would beat plain decoding at the drawn values by
+  enough to repay within `HORIZON` tokens the catch-up (and, where the loop does not look first,
+  the round's expected loss), the best k there is tried. Where the evidence is thin (a new pair
+  whose first drafts were rejected: the first tokens after a prompt are often the hardest) that
+  happens now and then; with much evidence against, almost never.
 - a probe once its expected loss fits in `probe_budget` (2%) of the time spent in plain rounds
   since the last probe, so that a later easy stretch (or a cost estimate spoiled by a noisy
   round) is not missed however much evidence there is. The loss counts the draft's catch-up on
@@ -83,6 +84,7 @@ EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does 
 CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
 CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions count for at most
 STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their mean round)
+PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
 HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
@@ -251,31 +253,36 @@ class DraftLengthPolicy:
         untried = [k for k in EXPLORE_KS if k <= limit and self.timed[k] < EXPLORE_TIMES]
         if untried and promising:  # too little evidence yet to give up on speculation
             return untried[0]
-        # Thompson sampling (module docstring). Judged on the sustained rate, not on "this
-        # round alone pays, catch-up included": on the demo pair that asked for a drawn
-        # acceptance > 0.94 and never happened.
-        # Acting on a draw costs the catch-up: only a draw under which drafting the next
-        # HORIZON tokens would save more than that acts (else each draw that favoured drafting
-        # by a hair bought a catch-up: every third round on the demo pair).
-        # (before any catch-up was measured, one is priced as a plain round)
+        # Thompson sampling (module docstring), over the k up to the largest timed one (the
+        # extrapolated cost of an unmeasured k is optimistic: where looks kept finding the draft
+        # hopeless, R(1) was never measured and a draw of 0.2 looked worth a catch-up): a draw acts
+        # when drafting the next HORIZON tokens at its rate would save more than the catch-up costs
+        # (priced as a plain round until one is measured) plus, where the loop does not look first,
+        # the round's own expected loss. Not "when this round alone pays, catch-up included": on the
+        # demo pair that asked for a drawn acceptance > 0.94 and never happened; nor "when the drawn
+        # rate beats plain": each draw that favoured drafting by a hair bought a catch-up, every
+        # third round on the demo pair.
         switch = (self.costs.switch_cost(self.behind) if self.costs.switches
                   else self.round_seconds[0])
-        drawn = self._draw()
-        drawn_rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k) for k in rates}
-        pick = max(drawn_rates, key=lambda k: (drawn_rates[k], -k))
-        if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rates[pick]) > switch:
-            self.plain_seconds = 0.0
-            return pick
+        measured = [k for k in rates if k <= max(self.timed)]
+        if measured:
+            drawn = self._draw()
+            drawn_rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k)
+                           for k in measured}
+            pick = max(drawn_rates, key=lambda k: (drawn_rates[k], -k))
+            price = switch + (0.0 if self.looks and self.behind > 2 else max(
+                0.0, self.round_cost(pick) - self.expected_tokens(alphas, pick) / plain_rate))
+            if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rates[pick]) > price:
+                self.plain_seconds = 0.0
+                return pick
         # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
-        # last probe have earned it: its expected loss (seconds beyond what plain decoding would
-        # take for the tokens it yields, at the mean acceptance) must fit in `probe_budget` of
-        # that time. So probing costs at most ~probe_budget of the decode time, a hopeless k is
-        # probed rarely and a cheap probe often.
-        # A probe also pays the draft's catch-up on the plain rounds it missed (priced per
-        # token as measured at past switches); what it costs pipelined plain decoding to stop
-        # and start again is in R(0), a stretch's mean round.
-        # A probe that looks first (the draft is behind: it catches up before drafting) costs
-        # the catch-up only: the round drafts only if the evidence then says it pays.
+        # last probe have earned it: its expected loss must fit in `probe_budget` of that time,
+        # so probing costs at most ~probe_budget of the decode time, a hopeless k is probed
+        # rarely and a cheap probe often. The loss: the draft's catch-up on the plain rounds it
+        # missed, plus the seconds beyond what plain decoding would take for the tokens the
+        # round yields at the mean acceptance, except where the loop looks first (the draft is
+        # behind: it catches up, books what it predicted and chooses again, drafting only if
+        # that says it pays).
         expected = self.expected_tokens(alphas, best)
         loss = switch + (0.0 if self.looks and self.behind > 2 else
                          self.round_cost(best) - expected * self.round_seconds[0])
@@ -297,12 +304,15 @@ class DraftLengthPolicy:
         self.behind = self.behind + 1 if k == 0 else 0
         if k > 0:
             self.end_stretch()
-        if k > 0 or self.looks:  # forget per observation, and where the loop looks before it
-            for i in range(self.k_max):  # leaps per plain round too: evidence from the text of
-                self.accepted[i] *= self.decay  # long ago (a hard start) fades while drafting
-                self.rejected[i] *= self.decay  # is off, and a cheap look at the text of now
-                # decides (without looks, a stretch of plain rounds keeps the last evidence:
-                # a probe then costs a whole round)
+        # forget per observation, and where the loop looks before it leaps per plain round too
+        # (more slowly: PLAIN_DECAY): evidence from the text of long ago (a hard start) fades
+        # while drafting is off, and a cheap look at the text of now decides. Without looks, a
+        # stretch of plain rounds keeps the last evidence (a probe then costs a whole round).
+        decay = self.decay if k > 0 else PLAIN_DECAY if self.looks else 1.0
+        if decay < 1.0:
+            for i in range(self.k_max):
+                self.accepted[i] *= decay
+                self.rejected[i] *= decay
         for i in range(min(accepted, self.k_max)):
             self.accepted[i] += 1.0
         if accepted < k:
