@@ -99,7 +99,7 @@ def main() -> None:
         cells.append({"draft": "real", "temp": temp, "alpha": None, **row})
         print(_line(cells[-1]), flush=True)
     for alpha in args.alphas:
-        oracles = [OracleDraft(draft, ref, alpha, 0) for ref in refs]
+        oracles = [OracleDraft(draft, ref, alpha, 0, target) for ref in refs]
         row = run_cell(target, tok, prompts, oracles.__getitem__, args.ks, args, 0.0)
         cells.append({"draft": "oracle", "temp": 0.0, "alpha": alpha, **row})
         print(_line(cells[-1]), flush=True)
@@ -122,7 +122,7 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
     if cell == "alpha 0":
         ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0,
                          seed=0)[0]
-        draft = OracleDraft(draft, ref, 0.0, 0)
+        draft = OracleDraft(draft, ref, 0.0, 0, target)
     saved = dict(policy._SHARED)
     for k in (None, *range(1, policy.AUTO_MAX_K + 1)):  # trace every shape, learn no policy
         ours(target, draft if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp, seed=1)
@@ -166,6 +166,12 @@ def fresh_main() -> None:
                 for contender in FRESH:
                     runs.append(run(contender, cell, temp))
                     print(json.dumps(runs[-1]), flush=True)
+    fresh_report(runs)
+
+
+def fresh_report(runs: list[dict]) -> None:
+    """results/auto_fresh.* from the runs of `fresh_main` (also from the lines it printed:
+    `python bench/auto.py --fresh-from LOG`)."""
     cells = []
     for cell, temp in FRESH_CELLS:
         tok_s = {c: statistics.median(r["tok_s"] for r in runs if r["contender"] == c
@@ -246,5 +252,10 @@ if __name__ == "__main__":
         print(json.dumps(fresh_worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))))
     elif sys.argv[1:] == ["--fresh"]:
         fresh_main()
+    elif sys.argv[1:2] == ["--fresh-from"]:
+        import json
+
+        with open(sys.argv[2]) as log:
+            fresh_report([json.loads(line) for line in log if line.startswith('{"contender"')])
     else:
         main()

@@ -15,11 +15,19 @@ import numpy as np
 
 
 class OracleDraft:
-    def __init__(self, draft, reference: list[int], alpha: float, seed: int = 0):
-        """reference: prompt + the target's greedy continuation (known in advance)."""
+    def __init__(self, draft, reference: list[int], alpha: float, seed: int = 0, target=None):
+        """reference: prompt + the target's greedy continuation (known in advance). With
+        `target`, the right proposal after every position of the reference is the target's
+        argmax there (one forward), inside the prompt too: the draft then agrees with the target
+        on the prompt as it does later (k="auto" takes that agreement as evidence); without it,
+        inside the prompt the right proposal is the prompt's next token."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1] (got {alpha})")
         self.draft, self.reference, self.alpha, self.seed = draft, list(reference), alpha, seed
+        self.right = list(self.reference[1:])
+        if target is not None:
+            logits = target(mx.array(self.reference[:-1], dtype=mx.int32)[None])
+            self.right = np.array(mx.argmax(logits[0], axis=-1)).tolist()
         self.layers = draft.layers
         self.args = draft.args
 
@@ -28,7 +36,7 @@ class OracleDraft:
         decision is a pure function of (seed, *key, position)."""
         if position + 1 >= len(self.reference):
             return None
-        right = self.reference[position + 1]
+        right = self.right[position]
         u = np.random.default_rng([self.seed, *key, position]).random()
         return right if u < self.alpha else (right + 1) % self.args.vocab_size
 
