@@ -201,13 +201,23 @@ def best_k(r: dict) -> list[str]:
 
 def auto(r: dict) -> list[str]:
     s = r["settings"]
+    name = s.get("name", "auto")
+    if s.get("target"):  # another pair than the demo's: name it and give the whole command
+        pair = (f"{Path(s['draft']).name} -> {Path(s['target']).name} (random weights, oracle "
+                "draft)")
+        command = (f"python bench/auto.py --target $S/{Path(s['target']).name} --draft "
+                   f"$S/{Path(s['draft']).name} --alphas {' '.join(map(str, s['alphas']))} "
+                   f"--prompts {s['prompts']} --max-tokens {s['max_tokens']} --temps "
+                   f"{' '.join(map(str, s['temps']))} --repeats {s['repeats']} --name {name}")
+    else:
+        pair, command = "demo pair", f"python bench/auto.py --repeats {s['repeats']}"
     lines = [
-        f"**k=\"auto\" vs plain and fixed k** (`python bench/auto.py --repeats {s['repeats']}`; "
-        f"demo pair, {s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens x "
+        f"**k=\"auto\" vs plain and fixed k, {pair}** (`{command}`; "
+        f"{s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens x "
         f"{s['repeats']} repeats, contenders interleaved, medians; "
         + (f"T > 0 with top-p {s['top_p']}, top-k {s['top_k']}; " if "top_p" in s else "")
         + "warm = the pair's policy trained by earlier generations, cold = a fresh policy; "
-        "[json](results/auto.json), [plot](results/auto.png))",
+        f"[json](results/{name}.json), [plot](results/{name}.png))",
         "",
         "| draft | plain | " + " | ".join(f"k={k}" for k in s["ks"]) +
         " | auto warm | auto cold | warm / best fixed | warm / plain | cold / best fixed | "
@@ -216,7 +226,8 @@ def auto(r: dict) -> list[str]:
         "| --- |",
     ]
     for c in r["cells"]:
-        name = (f"real, T={c['temp']}" if c["draft"] == "real" else f"oracle alpha={c['alpha']}")
+        real = "its draft (random weights)" if s.get("target") else "real"
+        name = (f"{real}, T={c['temp']}" if c["draft"] == "real" else f"oracle alpha={c['alpha']}")
         v = c["vs_plain"]
         lines.append(
             f"| {name} | 1.00x | " + " | ".join(f"{v[f'k={k}']:.2f}x" for k in s["ks"]) +
@@ -526,6 +537,7 @@ def main() -> None:
         ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
         ("demo_pair", best_k),
         ("auto", auto),
+        ("auto_shapes", auto),
         ("auto_fresh", auto_fresh),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
