@@ -270,26 +270,28 @@ class DraftLengthPolicy:
             drawn_rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k)
                            for k in measured}
             pick = max(drawn_rates, key=lambda k: (drawn_rates[k], -k))
-            price = switch + (0.0 if self.looks and self.behind > 2 else max(
-                0.0, self.round_cost(pick) - self.expected_tokens(alphas, pick) / plain_rate))
-            if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rates[pick]) > price:
+            if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rates[pick]) > self._probe_loss(
+                    pick, alphas, switch):
                 self.plain_seconds = 0.0
                 return pick
         # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
         # last probe have earned it: its expected loss must fit in `probe_budget` of that time,
         # so probing costs at most ~probe_budget of the decode time, a hopeless k is probed
-        # rarely and a cheap probe often. The loss: the draft's catch-up on the plain rounds it
-        # missed, plus the seconds beyond what plain decoding would take for the tokens the
-        # round yields at the mean acceptance, except where the loop looks first (the draft is
-        # behind: it catches up, books what it predicted and chooses again, drafting only if
-        # that says it pays).
-        expected = self.expected_tokens(alphas, best)
-        loss = switch + (0.0 if self.looks and self.behind > 2 else
-                         self.round_cost(best) - expected * self.round_seconds[0])
-        if self.plain_seconds * self.probe_budget >= loss:
+        # rarely and a cheap probe often (`_probe_loss`).
+        if self.plain_seconds * self.probe_budget >= self._probe_loss(best, alphas, switch):
             self.plain_seconds = 0.0
             return best
         return 0
+
+    def _probe_loss(self, k: int, alphas: list[float], switch: float) -> float:
+        """Expected seconds lost by a probe drafting k while plain decoding wins on the means
+        (so the round's own part is >= 0): the catch-up `switch`, plus the round's time beyond
+        what plain decoding would take for the tokens it yields, except where the loop looks
+        first (the draft is behind: it catches up, books what it predicted and chooses again,
+        drafting only if that says it pays)."""
+        if self.looks and self.behind > 2:
+            return switch
+        return switch + self.round_cost(k) - self.expected_tokens(alphas, k) * self.round_seconds[0]
 
     def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
         """Book a round that drafted k tokens, of which the first `accepted` were kept, in
@@ -347,19 +349,22 @@ class DraftLengthPolicy:
                 if not matches[t + i]:
                     break
                 accepted[i] += 1
-        scale = min(1.0, CATCH_UP_WEIGHT / n) if n else 0.0
-        for i in range(self.k_max):
-            self.accepted[i] += scale * accepted[i]
-            self.rejected[i] += scale * (reached[i] - accepted[i])
+        self._add_evidence(accepted, reached, n)
 
     def observe_first(self, agreed: list[bool]) -> None:
         """Book evidence on the first draft position only: whether target and draft predicted
         alike after each of the last prompt tokens (where a greedy one-token draft would have
         been accepted), at most CATCH_UP_WEIGHT rounds' worth."""
-        if agreed:
-            scale = min(1.0, CATCH_UP_WEIGHT / len(agreed))
-            self.accepted[0] += scale * sum(agreed)
-            self.rejected[0] += scale * (len(agreed) - sum(agreed))
+        self._add_evidence([sum(agreed)], [len(agreed)], len(agreed))
+
+    def _add_evidence(self, accepted: list[int], reached: list[int], starts: int) -> None:
+        """Add per-position counts from `starts` overlapping observations, scaled down to at
+        most CATCH_UP_WEIGHT rounds' worth."""
+        if starts:
+            scale = min(1.0, CATCH_UP_WEIGHT / starts)
+            for i, (a, r) in enumerate(zip(accepted, reached)):
+                self.accepted[i] += scale * a
+                self.rejected[i] += scale * (r - a)
 
     def end_stretch(self) -> None:
         """A stretch of plain rounds has ended (drafting resumes, or the generation ends): its

@@ -106,7 +106,7 @@ def warp(logits: mx.array, params: SamplingParams) -> mx.array:
     """
     if params.greedy:
         raise ValueError("warp() needs temperature > 0; greedy decoding uses the argmax")
-    return _compiled_warp(params.temperature, params.top_p, params.top_k, params.min_p)(logits)
+    return with_warp(_identity, params)(logits)
 
 
 def with_warp(fn: Callable[..., Any], params: SamplingParams) -> Callable[..., Any]:
@@ -131,11 +131,6 @@ def _with_draw(probs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
 
 def _identity(probs: mx.array) -> mx.array:
     return probs
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled_warp(temperature: float, top_p: float, top_k: int, min_p: float):
-    return _compiled_with_warp(_identity, temperature, top_p, top_k, min_p)
 
 
 @functools.lru_cache(maxsize=64)
