@@ -1,8 +1,9 @@
 """A stand-in for `k="auto"`'s policy that plays a fixed schedule of k, cycling, so that a test
 does not depend on this machine's timings. It implements what the decode loop asks of a policy:
-`choose` and `update`, the evidence hooks (`observe`, `observe_first`, `end_stretch`: recorded,
-not used) and `looks` (whether a round after plain rounds catches the draft up, books its
-predictions and chooses again: `LOOKS`, fixed per class whatever the loop sets)."""
+`choose` and `update`, the evidence hooks (`observe`, `observe_first`, `observe_beyond`,
+`end_stretch`: recorded, not used) and `looks` (whether a round after plain rounds catches the
+draft up, books its predictions and chooses again: `LOOKS`, fixed per class whatever the loop
+sets)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class ScriptedPolicy:
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.rounds = 0
         self.observed: list[list[bool]] = []
+        self.beyond: list[tuple[int, bool]] = []
 
     @property
     def looks(self) -> bool:
@@ -36,6 +38,9 @@ class ScriptedPolicy:
 
     def observe_first(self, agreed: list[bool]) -> None:
         self.observed.append(agreed)
+
+    def observe_beyond(self, position: int, accepted: bool) -> None:
+        self.beyond.append((position, accepted))
 
     def end_stretch(self) -> None:
         pass

@@ -474,3 +474,52 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
                           sampling=SamplingParams(1.0, seed=0)))
     assert sampled[-1].stats.k_histogram[2] >= 1  # it did catch up and draft
     assert policy.observed == []
+
+
+class _Drafting(ScriptedPolicy):
+    """Greedy k="auto" drafting 1, 2 and 3 tokens in turn with a plain round now and then
+    (which must drop the evidence of the round before it); records each round's (drafted,
+    accepted)."""
+
+    SCHEDULE = (1, 2, 3, 1, 0, 2, 1)
+    LOOKS = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.booked: list[tuple[int, int]] = []
+
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
+        self.booked.append((k, accepted))
+
+
+def test_a_round_accepted_whole_tells_whether_one_more_draft_would_have_been(demo,
+                                                                              monkeypatch):
+    """After a round whose k drafts were all accepted, the next drafting round's first draft step
+    also gives the draft's argmax after d_k; greedy k="auto" books whether it was the target's
+    token there (position k + 1). Each booking must equal what the draft predicts from the whole
+    sequence (an independent forward), at the rounds' boundaries; a plain round in between books
+    nothing; sampled generations book nothing."""
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, tok = demo  # a real pair: rounds accepted whole and not
+    policy = _Drafting()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    ids = tok.encode(PROMPT)
+    out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=80)]
+    seq = ids + out
+    assert sum(n + 1 for _, n in policy.booked) == len(out)
+    after, clear = _argmax_after_each(draft, seq, margins=True)
+    expected, where, end = [], [], len(ids)
+    for (k, n), (k_next, _) in zip(policy.booked, policy.booked[1:]):
+        end += n + 1  # seq[end - 1] is the round's last token (the target's)
+        if k and n == k and k_next:  # accepted whole, then a drafting round: d_k is seq[end - 2]
+            expected.append((k, after[end - 2] == seq[end - 1]))
+            where.append(clear[end - 2])
+    assert len(expected) >= 6 and {k for k, _ in expected} >= {1, 2}, policy.booked
+    assert {a for _, a in expected} == {True, False}  # both outcomes occur
+    assert [k for k, _ in policy.beyond] == [k for k, _ in expected]
+    _agree_where_clear([a for _, a in policy.beyond], [a for _, a in expected], where)
+    policy.beyond.clear()
+    policy.rounds = 0
+    list(decode(target, draft, ids, k="auto", max_tokens=30, sampling=SamplingParams(1.0, seed=0)))
+    assert policy.beyond == []

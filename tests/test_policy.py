@@ -295,3 +295,73 @@ def test_a_probe_that_looks_first_is_priced_at_its_catch_up_only():
         return 1000
 
     assert first_probe(True) < 30 < first_probe(False)
+
+
+def test_a_round_accepted_whole_books_the_position_after_it():
+    """`observe_beyond(k, accepted)`: what a round drafting k + 1 would have booked at position
+    k + 1 (given the first k accepted); nothing beyond k_max."""
+    policy = DraftLengthPolicy(4)
+    policy.observe_beyond(1, True)
+    policy.observe_beyond(1, False)
+    policy.observe_beyond(1, True)
+    policy.observe_beyond(4, True)  # position 5 of a 4-position policy: not booked
+    assert policy.accepted == [0.0, 2.0, 0.0, 0.0] and policy.rejected == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_a_policy_drafting_one_token_moves_to_two_where_the_second_would_pay():
+    """With k = 1 rounds only, position 2 is never reached; the evidence from rounds accepted
+    whole tells the policy that k = 2 pays (simulated: acceptance 0.7 then 0.95 given the first;
+    R(0), R(1), R(2) = 1, 1.5, 2: k = 2 pays only if position 2 is accepted well above the first
+    position's rate, which is where it would be assumed without that evidence)."""
+    policy = DraftLengthPolicy(4)
+    policy.round_seconds.update({0: 1.0, 1: 1.5, 2: 2.0})
+    policy.timed.update({0: 5, 1: 5, 2: 1})
+    rng = random.Random(0)
+    ks = []
+    for _ in range(60):
+        k = policy.choose(8)
+        ks.append(k)
+        n = 0
+        while n < k and rng.random() < (0.7 if n == 0 else 0.95):
+            n += 1
+        policy.update(k, n, 0.0)  # acceptance only: the costs stay as set
+        if n == k and k < 4:
+            policy.observe_beyond(k, rng.random() < 0.95)
+    assert Counter(ks[-20:]).most_common(1)[0][0] >= 2, ks
+
+
+def test_costs_loaded_from_the_file_give_way_to_this_processs_timings():
+    """A cost loaded from the policy file is replaced by the first timing of that k in this
+    process (not blended in), and once a drafting round has been timed here, a k timed only in
+    another process is estimated from this process's timings (optimistically), so that a stale,
+    inflated cost there cannot keep it untried."""
+    from tinydraft_mlx.engine.policy import RoundCosts
+
+    costs = RoundCosts()
+    costs.load({"round_seconds": {"0": 1.0, "1": 2.0, "2": 9.0}, "timed": {"0": 50, "1": 50,
+                "2": 50}, "switch_fit": [0.0] * 5, "switches": 0})
+    policy = DraftLengthPolicy(4, draft_ratio=0.25, costs=costs)
+    assert policy.round_cost(2) == 9.0  # nothing timed here yet: the file's
+    policy.update(1, 1, 1.6)
+    assert policy.round_seconds[1] == pytest.approx(1.6)  # replaced, not blended
+    assert policy.round_cost(2) == pytest.approx(1.6 + 0.25)  # R(1) here + a draft step
+    assert policy.round_cost(0) == 1.0  # R(0) from the file until a stretch is timed here
+    policy.update(2, 2, 2.4)
+    assert policy.round_cost(2) == pytest.approx(2.4)
+    policy.update(2, 2, 3.4)
+    assert policy.round_cost(2) == pytest.approx(2.9)  # then a running mean as usual
+
+
+def test_a_loaded_large_k_does_not_let_a_fresh_process_jump_to_k_max():
+    """The reach of an optimistic estimate is twice the largest k timed plus one: in this
+    process once it has timed a drafting round, whatever larger k the file holds."""
+    from tinydraft_mlx.engine.policy import RoundCosts
+
+    costs = RoundCosts()
+    costs.load({"round_seconds": {"0": 1.0, "1": 1.5, "5": 2.5}, "timed": {"0": 9, "1": 9,
+                "5": 9}, "switch_fit": [0.0] * 5, "switches": 0})
+    policy = DraftLengthPolicy(8, draft_ratio=0.1, costs=costs)
+    policy.accepted = [50.0] * 8  # every position accepted: the longest affordable k wins
+    assert policy.choose(8) == 8  # from the file's costs alone: 5 timed, reach 11
+    policy.update(1, 1, 1.5)
+    assert policy.choose(8) == 3  # timed here: k = 1, reach 3

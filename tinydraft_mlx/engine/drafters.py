@@ -16,6 +16,11 @@ The decode loop asks a `Drafter` for proposals and never what kind it holds:
   the last `predict` tokens it was fed whether its greedy prediction matched the token that
   followed: evidence for `k="auto"` from the catch-up's own forward); (0.0, []) where nothing
   was missed.
+- `beyond()`: after a greedy `propose` whose first step fed the draft two tokens (the previous
+  round's last draft d_k and the target's token after it: that round was accepted whole),
+  whether the draft's argmax after d_k was that token, i.e. whether one more draft position
+  would have been accepted there (evidence for `k="auto"`, from logits the step computed
+  anyway); None otherwise and from drafters without a model.
 - `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix).
 - `drafts` (False: plain decoding), `model` (the model whose cache generation and prompt caches
   keep), `policy_key` (what `k="auto"` keeps its learning under), `name` ("model",
@@ -70,6 +75,8 @@ class Drafter(Protocol):
 
     def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]: ...
 
+    def beyond(self) -> bool | None: ...
+
     def rollback(self, keep: int) -> None: ...
 
     def host_proposal(self, k: int) -> list[int] | None: ...
@@ -93,6 +100,9 @@ class NoDraft:
     def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
         return 0.0, []
 
+    def beyond(self) -> bool | None:
+        return None
+
     def rollback(self, keep: int) -> None:
         pass
 
@@ -110,6 +120,7 @@ class ModelDraft:
         self.model = self.policy_key = model
         self.seq: list[int] = []
         self.cache: Cache | None = None
+        self._beyond: tuple[mx.array, int] | None = None  # (argmax after d_k, the token after)
 
     def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
         """`cache` None: the model drafts in a batch, on the batch's cache."""
@@ -121,11 +132,24 @@ class ModelDraft:
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
         plain rounds)."""
+        self._beyond = None
         if k == 0:
             return _empty()
         unseen = self.seq[cache_length(self.cache) :]
-        return _draft_chain(self.model, self.cache, unseen, k, sampling, key, history,
-                            processors, width)
+        foresee = len(unseen) == 2 and sampling.greedy and not processors
+        drafts, q, ahead = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
+                                        history, processors, width, foresee)
+        if ahead is not None:
+            self._beyond = ahead, unseen[-1]
+        return drafts, q
+
+    def beyond(self) -> bool | None:
+        """See the module docstring; reads a value the proposal's first step computed."""
+        if self._beyond is None:
+            return None
+        ahead, following = self._beyond
+        self._beyond = None
+        return ahead.item() == following
 
     def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
         """Feed the model what it missed (after plain rounds) but the last token, as a prefill,
@@ -172,6 +196,9 @@ class LookupDraft:
 
     def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
         return 0.0, []
+
+    def beyond(self) -> bool | None:
+        return None
 
     def rollback(self, keep: int) -> None:
         pass  # the index reads `seq` itself
@@ -287,6 +314,10 @@ class HybridDraft:
         time is then the round's)."""
         return 0.0, []
 
+    def beyond(self) -> bool | None:
+        """None: which source drafts changes from round to round."""
+        return None
+
     def rollback(self, keep: int) -> None:
         """Also the end of a round: keep - (seq's length at the proposal) tokens of this round's
         proposal were accepted."""
@@ -362,24 +393,30 @@ def _draft_chain(
     history: mx.array | None = None,
     processors: Sequence[Processor] = (),
     width: int | None = None,
-) -> tuple[mx.array, mx.array | None]:
-    """Propose k tokens. Returns draft tokens (k,) and, when sampling, their distributions q (k, V).
+    foresee: bool = False,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Propose k tokens. Returns draft tokens (k,), when sampling their distributions q (k, V),
+    and with `foresee` the draft's argmax after unseen[-2] (`ModelDraft.beyond`; else None).
 
     Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
     With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
     """
     keys = None if params.greedy else mx.random.split(key, k)
     x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
-    tokens, qs = [], []
+    tokens, qs, ahead = [], [], None
     for i in range(k):
-        logits = forward(draft, x[None], cache)[0, -1]  # (Vq,)
-        logits = draft_logits(logits, history, tokens, processors, width)
+        all_logits = forward(draft, x[None], cache)[0]  # (L, Vq)
+        logits = draft_logits(all_logits[-1], history, tokens, processors, width)
         if params.greedy:
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:
             q, token = draw(logits, params, keys[i])
             qs.append(q)
-        mx.async_eval(token)
+        if i == 0 and foresee and x.shape[0] >= 2:
+            ahead = mx.argmax(all_logits[-2], axis=-1)
+            mx.async_eval(token, ahead)
+        else:
+            mx.async_eval(token)
         tokens.append(token)
         x = token[None]
-    return mx.stack(tokens), (mx.stack(qs) if qs else None)
+    return mx.stack(tokens), (mx.stack(qs) if qs else None), ahead

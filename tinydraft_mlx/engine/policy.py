@@ -21,7 +21,8 @@ Both sides are measured online, not assumed:
   measured k it adds only draft steps of R(0) * draft_ratio each (draft_ratio: the draft/target
   prefill time ratio), i.e. it is optimistic (extra verification assumed free) until measured, so
   a larger k that might pay gets tried once and then judged on its measured cost. The policy never
-  goes beyond twice the largest measured k plus one, so a bad extrapolation costs one modest
+  goes beyond twice the largest measured k plus one (timed in this process, once it has timed
+  one: a file's k = 5 let a fresh process try k = 8), so a bad extrapolation costs one modest
   round, not a k_max-sized one.
 
 A new pair's first rounds draft one token, twice timed, unless the evidence already says its first
@@ -53,13 +54,21 @@ been accepted, and how far), and chooses again; a probe that finds speculation h
 the catch-up only. A generation's start books the same kind of evidence for the first position
 from the prompt (`observe_first`: target and draft predicting alike after its last
 `PROMPT_EVIDENCE` tokens), so that a new pair whose draft is hopeless does not explore at all.
+And a round accepted whole tells whether one more draft position would have been accepted
+(`observe_beyond`: the next round's first draft step feeds d_k and the target's token after it,
+so the draft's argmax after d_k comes with it): a policy drafting k learns alpha_(k+1) without
+drafting k + 1. Without it, k = 1 rounds never reached position 2, whose acceptance was then
+assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is 0.85-0.9 given the first).
 
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
 once per sampling regime (temperature, top-p, top-k, min-p), since acceptance learned at T = 0
 says little about T = 1. And across processes (`policy_store.py`): a pair new to the process
 starts from what the last processes on this machine, device and dtype saved for it, and saves
-what it learns when a generation ends (at most every SAVE_EVERY seconds).
+what it learns when a generation ends (at most every SAVE_EVERY seconds). Loaded costs are a
+start only: each k's first timing in this process replaces its loaded cost, and a k not timed
+here yet is estimated from what has been (`round_cost`), since the file's costs were measured
+under another process's load.
 """
 
 from __future__ import annotations
@@ -103,6 +112,7 @@ class RoundCosts:
         # discounted sums over switches of 1, behind, seconds, behind^2, behind * seconds
         self.switch_fit = [0.0] * 5
         self.switches = 0
+        self.here: set[int] = set()  # k timed in this process (the others were loaded)
 
     def book_switch(self, behind: int, seconds: float) -> None:
         """A catch-up of `seconds` after `behind` plain rounds."""
@@ -180,10 +190,17 @@ class DraftLengthPolicy:
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
-        """Estimated seconds of a round drafting k tokens (needs R(0) measured)."""
-        known = self.round_seconds
-        if k in known:
+        """Estimated seconds of a round drafting k tokens (needs R(0) measured). Once this
+        process has timed a drafting round, a k it has not timed is estimated from what it has
+        timed (and R(0)), not from costs loaded from the policy file: those were measured under
+        another process's load (a file written on a busy machine had R(2) at 1.7x R(1) where it
+        is 1.4x, so k = 2 was never tried again), and the estimate below is optimistic, so such a
+        k gets timed here once and is then judged on its own cost."""
+        known, here = self.round_seconds, self.costs.here
+        if k in known and (k in here or k == 0 or not here - {0}):
             return known[k]
+        if here - {0}:
+            known = {j: v for j, v in known.items() if j in here or j == 0}
         ks = sorted(known)
         below = [j for j in ks if j < k]
         above = [j for j in ks if j > k]
@@ -237,7 +254,8 @@ class DraftLengthPolicy:
             >= EXPLORE_MIN
         if 0 not in self.round_seconds:  # a new pair: k = 1 while the draft is in step, then R(0)
             return 1 if self.timed[1] < EXPLORE_TIMES and self.behind == 0 and promising else 0
-        reach = 2 * max(k for k in self.round_seconds) + 1
+        # at most twice the largest k timed (in this process, once it has timed one) plus one
+        reach = 2 * max((self.costs.here - {0}) or self.round_seconds) + 1
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
         rates = {
@@ -351,6 +369,18 @@ class DraftLengthPolicy:
                 accepted[i] += 1
         self._add_evidence(accepted, reached, n)
 
+    def observe_beyond(self, position: int, accepted: bool) -> None:
+        """Book evidence on draft position `position` + 1 from a round that drafted `position`
+        tokens, all accepted: whether the draft's greedy prediction one step further was the
+        target's token there (the next round's first draft step computes it anyway). Exactly what
+        a round drafting one more token would have booked there, so a policy drafting k learns
+        whether k + 1 would pay without trying it."""
+        if position < self.k_max:
+            if accepted:
+                self.accepted[position] += 1.0
+            else:
+                self.rejected[position] += 1.0
+
     def observe_first(self, agreed: list[bool]) -> None:
         """Book evidence on the first draft position only: whether target and draft predicted
         alike after each of the last prompt tokens (where a greedy one-token draft would have
@@ -379,7 +409,11 @@ class DraftLengthPolicy:
             self._book(0, seconds / rounds, rounds)
 
     def _book(self, k: int, seconds: float, rounds: int) -> None:
-        """Fold `rounds` rounds of `seconds` each into R(k)."""
+        """Fold `rounds` rounds of `seconds` each into R(k); the first timing of k in this
+        process replaces a cost loaded from the policy file (`round_cost`)."""
+        if k not in self.costs.here:
+            self.costs.here.add(k)
+            self.timed[k] = 0
         # running mean over the first 1/smoothing timed rounds, then a moving average; plain
         # rounds are single tokens (many, and noisier one by one): a longer memory
         self.timed[k] += rounds

@@ -142,6 +142,7 @@ class _Generation:
     ranks: object = None
     width: int | None = None
     looks: bool = False  # k="auto" takes the draft's greedy predictions as evidence (_prefill)
+    whole: int = 0  # tokens the latest round drafted if it was accepted whole (else 0)
 
     @property
     def pipelined(self) -> bool:
@@ -323,14 +324,19 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                         g.target, g.target_cache, g.seq[-1], drafts, q, g.sampling,
                         verify_key, history, g.processors)
                 # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k
-                # (nor the bonus token): it stays behind, catching up in the next round.
+                # (nor the bonus token): it stays behind, catching up in the next round, whose
+                # first draft step so tells whether one more position would have been accepted
+                beyond = g.drafter.beyond()
+                if g.looks and g.whole and beyond is not None:
+                    g.policy.observe_beyond(g.whole, beyond)
+                g.whole = len(proposed) if n == len(proposed) else 0
                 _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
                 timed = g.traces() == traced
                 if (yield from _commit(g, proposed[:n] + [token], len(proposed), logprobs,
                                        start, timed, catch_up)):
                     return
                 continue
-        pipelined = step is not None
+        pipelined, g.whole = step is not None, 0
         if step is None:  # nothing queued: this round's step goes first
             step = _queue(g, mx.array(g.seq[-1:], dtype=mx.int32), None)
         following = None
