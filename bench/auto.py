@@ -16,14 +16,16 @@ over prompts x repeats.
 
 Writes results/<name>.json and results/<name>.png.
 
-    python bench/auto.py --fresh                           # ~6 minutes: results/auto_fresh.*
+    python bench/auto.py --fresh [REPEATS]                 # 5 repeats: ~20 minutes
 
 Fresh processes, as every CLI run is: each contender (plain, k = 1..4, "auto, no file" with the
 policy file off, "auto, file" with the policy file a previous process wrote) runs one prompt x
 128 tokens in a process of its own (compiled steps traced first by fixed-k warm-ups, so that
-"fresh" is about the policy), interleaved, 3 repeats, medians; at T = 0 and at T = 0.7 with
-top-p 0.8, top-k 20 (Qwen2.5-Instruct's defaults), and with the oracle draft at alpha 0 (a draft
-that is always rejected: speculation cannot pay).
+"fresh" is about the policy), interleaved, REPEATS times (default 5), medians of each run's
+tokens/s over plain decoding's in the same process (one 128-token generation before the run and
+one after: a process's speed varied by up to 2x between processes on a shared 2-core machine);
+at T = 0 and at T = 0.7 with top-p 0.8, top-k 20 (Qwen2.5-Instruct's defaults), and with the
+oracle draft at alpha 0 (a draft that is always rejected: speculation cannot pay).
 """
 
 from __future__ import annotations
@@ -130,16 +132,24 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
     k = {"plain": 1}.get(contender, "auto" if contender.startswith("auto") else
                          int(contender[2:]) if contender.startswith("k=") else None)
     sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
+
+    def plain_rate() -> float:  # this process's speed now (plain decoding learns nothing)
+        steps = stream_generate(target, None, tok, ids, max_tokens=FRESH_TOKENS,
+                                temperature=temp, seed=0, **sampling)
+        return decode_rate((r.token, r) for r in steps)[1]
+
+    before = plain_rate()
     steps = stream_generate(target, None if contender == "plain" else draft, tok, ids, k=k,
                             max_tokens=FRESH_TOKENS, temperature=temp, seed=0, **sampling)
     out, rate, extra = decode_rate((r.token, r) for r in steps)
     stats = extra[-1].stats
     return {"contender": contender, "cell": cell, "temp": temp, "tok_s": rate,
+            "ref_tok_s": (before + plain_rate()) / 2,
             "drafted": stats.drafted, "accepted": stats.accepted,
             "k_histogram": {str(k): n for k, n in sorted(stats.k_histogram.items())}}
 
 
-def fresh_main() -> None:
+def fresh_main(repeats: int = 5) -> None:
     import json
     import subprocess
     import sys
@@ -161,7 +171,7 @@ def fresh_main() -> None:
 
         for cell, temp in FRESH_CELLS:  # a previous process wrote the file "auto, file" reads
             run("auto, file", cell, temp)
-        for _rep in range(3):
+        for _rep in range(repeats):
             for cell, temp in FRESH_CELLS:
                 for contender in FRESH:
                     runs.append(run(contender, cell, temp))
@@ -174,16 +184,24 @@ def fresh_report(runs: list[dict]) -> None:
     `python bench/auto.py --fresh-from LOG`)."""
     cells = []
     for cell, temp in FRESH_CELLS:
-        tok_s = {c: statistics.median(r["tok_s"] for r in runs if r["contender"] == c
-                                      and (r["cell"], r["temp"]) == (cell, temp)) for c in FRESH}
-        fixed = {c: v for c, v in tok_s.items() if c.startswith("k=")}
+        mine = {c: [r for r in runs if r["contender"] == c
+                    and (r["cell"], r["temp"]) == (cell, temp)] for c in FRESH}
+        tok_s = {c: statistics.median(r["tok_s"] for r in rs) for c, rs in mine.items()}
+        # each run against plain decoding in its own process (before and after it): the
+        # machine's speed then, which varied by 2x between processes here
+        speed = {c: statistics.median(r["tok_s"] / r["ref_tok_s"] for r in rs)
+                 for c, rs in mine.items()}
+        fixed = {c: v for c, v in speed.items() if c.startswith("k=")}
         best = max(fixed, key=fixed.get)
-        cells.append({"cell": cell, "temp": temp, "tok_s": tok_s, "best_fixed": best,
-                      "vs_plain": {c: v / tok_s["plain"] for c, v in tok_s.items()},
-                      "vs_best_fixed": {c: v / fixed[best] for c, v in tok_s.items()}})
+        cells.append({"cell": cell, "temp": temp, "tok_s": tok_s, "vs_own_plain": speed,
+                      "best_fixed": best,
+                      "vs_plain": {c: v / speed["plain"] for c, v in speed.items()},
+                      "vs_best_fixed": {c: v / fixed[best] for c, v in speed.items()}})
         print(cells[-1], flush=True)
     target, _, _ = load_models()
-    report = {"settings": {"prompt": PROMPTS[0], "max_tokens": FRESH_TOKENS, "repeats": 3,
+    repeats = sum(r["contender"] == "plain" and (r["cell"], r["temp"]) == FRESH_CELLS[0]
+                  for r in runs)
+    report = {"settings": {"prompt": PROMPTS[0], "max_tokens": FRESH_TOKENS, "repeats": repeats,
                            "sampled": {"top_p": 0.8, "top_k": 20}, "dtype": model_dtype(target),
                            "blas": active_blas()},
               "machine": machine(), "cells": cells, "runs": runs}
@@ -250,8 +268,8 @@ if __name__ == "__main__":
         import json
 
         print(json.dumps(fresh_worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))))
-    elif sys.argv[1:] == ["--fresh"]:
-        fresh_main()
+    elif sys.argv[1:2] == ["--fresh"]:
+        fresh_main(*map(int, sys.argv[2:3]))
     elif sys.argv[1:2] == ["--fresh-from"]:
         import json
 

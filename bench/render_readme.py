@@ -505,7 +505,8 @@ def auto_fresh(r: dict) -> list[str]:
         f"{s['dtype']}, one prompt x {s['max_tokens']} tokens, every contender in its own "
         f"process, median of {s['repeats']}; T=0.7 with top-p 0.8, top-k 20; {m['device']}, "
         f"BLAS: {m['blas']}; [json](results/auto_fresh.json), [plot](results/auto_fresh.png)). "
-        "Decode tokens/s (ratio to plain).",
+        "Decode tokens/s (ratio to plain: medians of each run's tokens/s over plain decoding's "
+        "in the same process, before and after it, where the JSON has them).",
         "",
         "| draft, T | " + " | ".join(names) + " | best fixed k | "
         + " | ".join(f"{n} / best fixed" for n in names if n.startswith("auto")) + " |",

@@ -396,13 +396,31 @@ def test_generation_runs_on_mlx_lms_own_generation_stream(pair):
     assert generation_stream().device == mx.default_device()
 
 
+def _logits_after_each(model, ids):
+    """The model's logits after each token of `ids` (L, V), from one forward on a fresh cache
+    (eager: independent of the chunked prefill and of the compiled step)."""
+    ids = model_inputs(model, ids)  # ids beyond the draft's embedding become its last row
+    return np.array(model(mx.array(ids, dtype=mx.int32)[None], cache=make_cache(model))[0])
+
+
+def _acceptance_at_t1(p_logits, q_logits):
+    """sum min(p, q) per row at temperature 1 (numpy softmax; a narrower row has no mass at the
+    other's extra ids)."""
+    def softmax(x):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    p, q = softmax(p_logits.astype(np.float64)), softmax(q_logits.astype(np.float64))
+    width = max(p.shape[-1], q.shape[-1])
+    p, q = (np.pad(x, [(0, 0), (0, width - x.shape[-1])]) for x in (p, q))
+    return np.minimum(p, q).sum(axis=-1)
+
+
 def _argmax_after_each(model, ids, margins=False):
-    """The model's greedy prediction after each token of `ids`, from one forward on a fresh
-    cache (eager: independent of the chunked prefill and of the compiled step); with
+    """The model's greedy prediction after each token of `ids` (`_logits_after_each`); with
     `margins`, also whether each is clear (top-1 logit above the top-2 by more than 1e-3:
     elsewhere summation order may flip it)."""
-    ids = model_inputs(model, ids)  # ids beyond the draft's embedding become its last row
-    logits = np.array(model(mx.array(ids, dtype=mx.int32)[None], cache=make_cache(model))[0])
+    logits = _logits_after_each(model, ids)
     top = np.sort(logits, axis=-1)
     clear = (top[:, -1] - top[:, -2] > 1e-3).tolist()
     out = logits.argmax(axis=-1).tolist()
@@ -424,7 +442,10 @@ def test_prefill_predicts_after_its_last_tokens_across_chunks(pair):
     for step, predict in [(512, 5), (4, 6), (4, len(ids)), (4, 0)]:
         cache = make_cache(target)
         got = prefill(target, cache, ids, step=step, predict=predict)
-        assert got == (expected[-predict:] if predict else [])
+        if predict:  # the logits after each of the last `predict` tokens
+            assert np.array(mx.argmax(got, axis=-1)).tolist() == expected[-predict:]
+        else:
+            assert got is None
         assert cache_length(cache) == len(ids)
 
 
@@ -441,7 +462,8 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     after each of the prompt's last tokens, and after plain rounds whether the draft's argmax
     after each token it catches up on was the token that followed: both must be what the two
     models predict from the whole sequence (computed here independently); the output stays the
-    plain greedy one, and sampled generations take no such evidence."""
+    plain greedy one. Sampled, it books sum min(p, q) at the same positions (numpy softmax of
+    independent forwards, T = 1), the catch-up's over the plain rounds' tokens only."""
     import tinydraft_mlx.engine.speculative as spec
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE, PROMPT_EVIDENCE
 
@@ -473,7 +495,18 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     sampled = list(decode(target, draft, ids, k="auto", max_tokens=16,
                           sampling=SamplingParams(1.0, seed=0)))
     assert sampled[-1].stats.k_histogram[2] >= 1  # it did catch up and draft
-    assert policy.observed == []
+    seq = ids + [t.id for t in sampled]
+    t_logits, d_logits = (_logits_after_each(m, seq) for m in (target, draft))
+    first, caught = policy.observed
+    n = min(PROMPT_EVIDENCE, len(fed))  # after fed[-n:], i.e. predicting ids[-n:]
+    rows = slice(len(fed) - n, len(fed))
+    np.testing.assert_allclose(first, _acceptance_at_t1(t_logits[rows], d_logits[rows]),
+                               atol=1e-3)
+    # rows predicting the 10 plain tokens seq[len(ids):len(ids) + 10]: after seq[j - 1]
+    rows = slice(len(ids) - 1, len(ids) + 9)
+    expected = _acceptance_at_t1(t_logits[rows], d_logits[rows])
+    assert len(caught) == 10 and 0.05 < expected.mean() < 0.95  # neither certain nor hopeless
+    np.testing.assert_allclose(caught, expected, atol=1e-3)
 
 
 class _Drafting(ScriptedPolicy):

@@ -365,3 +365,13 @@ def test_a_loaded_large_k_does_not_let_a_fresh_process_jump_to_k_max():
     assert policy.choose(8) == 8  # from the file's costs alone: 5 timed, reach 11
     policy.update(1, 1, 1.5)
     assert policy.choose(8) == 3  # timed here: k = 1, reach 3
+
+
+def test_sampled_evidence_books_expected_counts_along_the_text():
+    """`observe` with probabilities (sampled looks: sum min(p, q) per position): a draft from
+    each position reaches the next with the product of the probabilities so far; worked by
+    hand for [0.5, 1.0, 0.0]: reached [3, 1.5, 0.5], accepted [1.5, 0.5, 0]."""
+    policy = DraftLengthPolicy(4)
+    policy.observe([0.5, 1.0, 0.0])
+    assert policy.accepted == pytest.approx([1.5, 0.5, 0.0, 0.0])
+    assert policy.rejected == pytest.approx([1.5, 1.0, 0.5, 0.0])

@@ -6,16 +6,16 @@ The decode loop asks a `Drafter` for proposals and never what kind it holds:
 
 - `begin(seq, cache, predict)`: a generation starts on `seq` (the loop's growing list: prompt +
   emitted); `cache` is the draft model's KV cache (None without a model). A model draft prefills
-  what its cache lacks but the last token, and returns its argmax after each of the last
-  `predict` tokens it prefilled (evidence for `k="auto"`; [] from the others); prompt lookup
-  indexes `seq`.
+  what its cache lacks but the last token, and returns its logits after each of the last
+  `predict` tokens it prefilled, (n, V): what it would draft after each, evidence for
+  `k="auto"` (None from the others); prompt lookup indexes `seq`.
 - `propose(k, sampling, key, history, processors, width)`: up to k tokens (k,) continuing `seq`
   and, when sampling, their distributions q (k, width) (point masses for a deterministic
   proposal); fewer (or none) where the source has nothing to offer.
-- `catch_up(predict)`: after plain rounds, feed a model what it missed: (seconds spent, and for
-  the last `predict` tokens it was fed whether its greedy prediction matched the token that
-  followed: evidence for `k="auto"` from the catch-up's own forward); (0.0, []) where nothing
-  was missed.
+- `catch_up(predict)`: after plain rounds, feed a model what it missed but the last token of
+  `seq`: (seconds spent, its logits after each of the last n <= `predict` tokens it was fed, (n,
+  V): rows predicting seq[-n:], evidence for `k="auto"` from the catch-up's own forward); (0.0,
+  None) where nothing was missed.
 - `beyond()`: after a greedy `propose` whose first step fed the draft two tokens (the previous
   round's last draft d_k and the target's token after it: that round was accepted whole),
   whether the draft's argmax after d_k was that token, i.e. whether one more draft position
@@ -67,13 +67,14 @@ class Drafter(Protocol):
     model: nn.Module | None
     policy_key: object
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]: ...
+    def begin(self, seq: list[int], cache: Cache | None,
+              predict: int = 0) -> mx.array | None: ...
 
     def propose(self, k: int, sampling: SamplingParams, key: mx.array | None,
                 history: mx.array | None, processors: Sequence[Processor],
                 width: int | None) -> Proposal: ...
 
-    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]: ...
+    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]: ...
 
     def beyond(self) -> bool | None: ...
 
@@ -91,14 +92,14 @@ class NoDraft:
 
     name, drafts, model, policy_key = NO_DRAFT, False, None, None
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
-        return []
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
+        return None
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         return _empty()
 
-    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
-        return 0.0, []
+    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
+        return 0.0, None
 
     def beyond(self) -> bool | None:
         return None
@@ -122,11 +123,11 @@ class ModelDraft:
         self.cache: Cache | None = None
         self._beyond: tuple[mx.array, int] | None = None  # (argmax after d_k, the token after)
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
         """`cache` None: the model drafts in a batch, on the batch's cache."""
         self.seq, self.cache = seq, cache
         if cache is None:
-            return []
+            return None
         return prefill(self.model, cache, seq[cache_length(cache) : -1], predict=predict)
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
@@ -151,21 +152,18 @@ class ModelDraft:
         self._beyond = None
         return ahead.item() == following
 
-    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
+    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
         """Feed the model what it missed (after plain rounds) but the last token, as a prefill,
         so that at most 2 tokens remain for its first step; returns the seconds it took (prefill
-        evaluates, so this is device time too) and, for the last `predict` tokens it was fed,
-        whether the model's argmax after each is the token that followed (whether a greedy
-        one-token draft there would have been accepted). Nothing to do (0.0, []) within a run
-        of drafting rounds."""
+        evaluates, so this is device time too) and its logits after each of the last `predict`
+        tokens it was fed (rows predicting seq[-n:]). Nothing to do (0.0, None) within a run of
+        drafting rounds."""
         unseen = self.seq[cache_length(self.cache) :]
         if len(unseen) <= 2:
-            return 0.0, []
+            return 0.0, None
         start = time.perf_counter()
-        predicted = prefill(self.model, self.cache, unseen[:-1], predict=predict)
-        seconds = time.perf_counter() - start
-        following = unseen[len(unseen) - len(predicted) :]  # the token after each predicted
-        return seconds, [p == t for p, t in zip(predicted, following)]
+        rows = prefill(self.model, self.cache, unseen[:-1], predict=predict)
+        return time.perf_counter() - start, rows
 
     def rollback(self, keep: int) -> None:
         if self.cache is not None:
@@ -187,15 +185,15 @@ class LookupDraft:
         self.policy_key = repr(settings)
         self.index: NgramIndex | None = None
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
         self.index = self.settings.index(seq)
-        return []
+        return None
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         return _host(self.host_proposal(k), sampling, width)
 
-    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
-        return 0.0, []
+    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
+        return 0.0, None
 
     def beyond(self) -> bool | None:
         return None
@@ -276,12 +274,12 @@ class HybridDraft:
         self._began = 0.0  # when the round's proposal was made
         self._since_lookup = 0  # model rounds since lookup was last chosen
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> list[int]:
+    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
         """No evidence for `k="auto"`: which source drafts changes from round to round."""
         self.seq = seq
         self.lookup.begin(seq, None)
         self.inner.begin(seq, cache)
-        return []
+        return None
 
     def host_proposal(self, k: int) -> list[int] | None:
         """This round's lookup proposal, or None when the model should draft; records which."""
@@ -309,10 +307,10 @@ class HybridDraft:
         self.inner.catch_up()  # only when the model drafts: lookup rounds need no catch-up
         return self.inner.propose(k, sampling, key, history, processors, width)
 
-    def catch_up(self, predict: int = 0) -> tuple[float, list[bool]]:
+    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
         """Nothing here: the model catches up in `propose` when it is the round's source (its
         time is then the round's)."""
-        return 0.0, []
+        return 0.0, None
 
     def beyond(self) -> bool | None:
         """None: which source drafts changes from round to round."""

@@ -230,23 +230,22 @@ def prefill(
     step: int = PREFILL_STEP,
     progress: Callable[[int], None] | None = None,
     predict: int = 0,
-) -> list[int]:
+) -> mx.array | None:
     """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens; `progress(n)`
-    after each chunk with the tokens processed so far. Returns the model's argmax after each of
-    the last `predict` tokens (their logits are otherwise never computed; a chunk ends where
-    they begin, so that no other position's are)."""
+    after each chunk with the tokens processed so far. Returns the model's logits after each of
+    the last `predict` tokens, (min(predict, len(tokens)), V), evaluated (None where there are
+    none; a chunk ends where they begin, so that no other position's are kept)."""
     tokens = model_inputs(model, tokens)
     cut = max(0, len(tokens) - predict)
     bounds = sorted({*range(0, cut, step), *range(cut, len(tokens), step)})
-    predicted: list[int] = []
+    rows: list[mx.array] = []
     for start, end in zip(bounds, [*bounds[1:], len(tokens)]):
         logits = model(mx.array(tokens[start:end], dtype=mx.int32)[None], cache=cache)
-        ids = mx.argmax(logits[0], axis=-1) if start >= cut else None
-        mx.eval([layer.state for layer in cache], ids)
-        if ids is not None:
-            predicted += ids.tolist()
+        if start >= cut:
+            rows.append(logits[0])
+        mx.eval([layer.state for layer in cache], rows)
         if end < len(tokens):
             mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
         if progress is not None:
             progress(end)
-    return predicted
+    return mx.concatenate(rows) if rows else None

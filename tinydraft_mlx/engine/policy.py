@@ -47,18 +47,21 @@ When plain decoding wins on the means, speculation is still tried in two ways:
   token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
   underrated long stretches' probes by 2x).
 
-Greedy decoding looks before it leaps (`looks`): a round after plain rounds first catches the
-draft up, books whether the draft's argmax after each of the last `CATCH_UP_EVIDENCE` tokens it
-caught up on was the token that followed (`observe`: exactly where a greedy draft would have
-been accepted, and how far), and chooses again; a probe that finds speculation hopeless costs
-the catch-up only. A generation's start books the same kind of evidence for the first position
-from the prompt (`observe_first`: target and draft predicting alike after its last
-`PROMPT_EVIDENCE` tokens), so that a new pair whose draft is hopeless does not explore at all.
-And a round accepted whole tells whether one more draft position would have been accepted
-(`observe_beyond`: the next round's first draft step feeds d_k and the target's token after it,
-so the draft's argmax after d_k comes with it): a policy drafting k learns alpha_(k+1) without
-drafting k + 1. Without it, k = 1 rounds never reached position 2, whose acceptance was then
-assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is 0.85-0.9 given the first).
+The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
+after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
+it caught up on the probability that a one-token draft there would have been accepted
+(`observe`; greedy: whether the draft's argmax was the token that followed, exactly where and how
+far a greedy draft would have been accepted; sampled: sum min(p, q) of the warped distributions,
+with the target's p kept from the plain steps), and chooses again; a probe that finds
+speculation hopeless costs the catch-up only. A generation's start books the same kind of
+evidence for the first position from the prompt (`observe_first`: target and draft after its
+last `PROMPT_EVIDENCE` tokens), so that a new pair whose draft is hopeless does not explore at
+all. Greedy, a round accepted whole also tells whether one more draft position would have been
+accepted (`observe_beyond`: the next round's first draft step feeds d_k and the target's token
+after it, so the draft's argmax after d_k comes with it): a policy drafting k learns
+alpha_(k+1) without drafting k + 1. Without it, k = 1 rounds never reached position 2, whose
+acceptance was then assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is
+0.85-0.9 given the first).
 
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
@@ -353,20 +356,25 @@ class DraftLengthPolicy:
             return
         self._book(k, seconds, 1)
 
-    def observe(self, matches: list[bool]) -> None:
-        """Book the evidence of a greedy draft's catch-up: whether its prediction after each
-        token it was fed was the token that followed. A one-token draft at each of those
-        positions would have been accepted exactly there, and a longer one as far as the run of
-        matches from there goes (a position past the catch-up is not booked: unobserved). The
-        runs overlap, so the catch-up counts as at most CATCH_UP_WEIGHT rounds' evidence."""
-        n = len(matches)
-        accepted, reached = [0] * self.k_max, [0] * self.k_max
+    def observe(self, evidence: list[float]) -> None:
+        """Book the evidence of a draft's catch-up: per token it was fed, the probability that a
+        one-token draft after it would have been accepted (greedy: 1.0 or 0.0, whether its
+        argmax was the token that followed; sampled: sum min(p, q) there). A draft starting at
+        each of those positions would have been accepted as far as the run goes: greedy,
+        exactly (the draft follows the text while it is accepted); sampled, the expected counts
+        along the text the target produced (the product of the probabilities), a position past
+        the catch-up being unobserved. The runs overlap, so the catch-up counts as at most
+        CATCH_UP_WEIGHT rounds' evidence."""
+        n = len(evidence)
+        accepted, reached = [0.0] * self.k_max, [0.0] * self.k_max
         for t in range(n):
+            reach = 1.0
             for i in range(min(self.k_max, n - t)):
-                reached[i] += 1
-                if not matches[t + i]:
+                reached[i] += reach
+                reach *= evidence[t + i]
+                accepted[i] += reach
+                if reach <= 0.0:
                     break
-                accepted[i] += 1
         self._add_evidence(accepted, reached, n)
 
     def observe_beyond(self, position: int, accepted: bool) -> None:
@@ -381,13 +389,13 @@ class DraftLengthPolicy:
             else:
                 self.rejected[position] += 1.0
 
-    def observe_first(self, agreed: list[bool]) -> None:
-        """Book evidence on the first draft position only: whether target and draft predicted
-        alike after each of the last prompt tokens (where a greedy one-token draft would have
-        been accepted), at most CATCH_UP_WEIGHT rounds' worth."""
-        self._add_evidence([sum(agreed)], [len(agreed)], len(agreed))
+    def observe_first(self, evidence: list[float]) -> None:
+        """Book evidence on the first draft position only: per prompt token, the probability
+        that a one-token draft after it would have been accepted (greedy: target and draft
+        predicting alike; sampled: sum min(p, q)), at most CATCH_UP_WEIGHT rounds' worth."""
+        self._add_evidence([sum(evidence)], [len(evidence)], len(evidence))
 
-    def _add_evidence(self, accepted: list[int], reached: list[int], starts: int) -> None:
+    def _add_evidence(self, accepted: list[float], reached: list[float], starts: int) -> None:
         """Add per-position counts from `starts` overlapping observations, scaled down to at
         most CATCH_UP_WEIGHT rounds' worth."""
         if starts:

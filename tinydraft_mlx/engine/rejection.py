@@ -72,6 +72,14 @@ def speculative_accept(
     return n, token.astype(mx.int32)
 
 
+def acceptance_probability(p: mx.array, q: mx.array) -> mx.array:
+    """(B, V) target and (B, V') draft distributions -> (B,) sum_x min(p(x), q(x)): the
+    probability that a token drawn from q is accepted (Leviathan et al., section 3.3: alpha =
+    1 - TV(p, q)); a width's missing ids have no mass."""
+    p, q = _same_width(p, q)
+    return mx.minimum(p, q).sum(axis=-1)
+
+
 def _same_width(p: mx.array, q: mx.array) -> tuple[mx.array, mx.array]:
     width = max(p.shape[-1], q.shape[-1])
     return _pad_vocab(p, width), _pad_vocab(q, width)

@@ -24,7 +24,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,8 +44,8 @@ from .policy import (
     save_policy,
     shared_policy,
 )
-from .rejection import greedy_accept, speculative_accept
-from .sampling import Processor, SamplingParams, draw, process_logits, with_warp
+from .rejection import acceptance_probability, greedy_accept, speculative_accept
+from .sampling import Processor, SamplingParams, draw, process_logits, warp, with_warp
 from .stats import GenerationStats
 
 __all__ = ["PREFILL_STEP", "Processor", "Progress", "Token", "decode", "max_draft_length",
@@ -141,8 +141,10 @@ class _Generation:
     policy: DraftLengthPolicy | None = None
     ranks: object = None
     width: int | None = None
-    looks: bool = False  # k="auto" takes the draft's greedy predictions as evidence (_prefill)
+    looks: bool = False  # k="auto" takes the draft's predictions as evidence (_prefill)
     whole: int = 0  # tokens the latest round drafted if it was accepted whole (else 0)
+    # sampled looks: the target's log-probabilities at the current plain stretch's last tokens
+    plain_rows: list[mx.array] = field(default_factory=list)
 
     @property
     def pipelined(self) -> bool:
@@ -151,9 +153,9 @@ class _Generation:
         would have to agree on it every token, so they run its plain rounds unpipelined."""
         return self.ranks is None or self.policy is None
 
-    def reconsider(self, matches: list[bool], limit: int) -> int:
+    def reconsider(self, evidence: list[float], limit: int) -> int:
         """This round's k again, once the policy has booked the catch-up's evidence."""
-        self.policy.observe(matches)
+        self.policy.observe(evidence)
         return self.policy.choose(limit)
 
     def choose(self, limit: int) -> int:
@@ -264,12 +266,11 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
             callback(done, len(pending))
 
     auto = k == AUTO and g.drafter.drafts
-    # k="auto" learns from the draft's greedy predictions where they tell what a greedy draft
-    # would have had accepted: greedy decoding, without logits processors (the draft would
-    # apply them), on one rank (ranks agree on k once a round); from the last prompt tokens
-    # here (whether target and draft predict alike after each), from the plain rounds it
-    # catches up on later (`_rounds`)
-    g.looks = auto and g.sampling.greedy and not g.processors and g.ranks is None
+    # k="auto" learns from the draft's predictions where they tell what a draft would have had
+    # accepted: without logits processors (the draft would apply them), on one rank (ranks
+    # agree on k once a round); from the last prompt tokens here, from the plain rounds it
+    # catches up on later (`_rounds`): `_one_token_acceptance`
+    g.looks = auto and not g.processors and g.ranks is None
     predict = PROMPT_EVIDENCE if g.looks else 0
     start = time.perf_counter()
     with mx.stream(g.stream):
@@ -287,10 +288,10 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
                                  sampling_regime(g.sampling))
         g.policy.looks = g.looks
         g.looks = g.looks and g.policy.looks  # (a stand-in policy may decline)
-        both = min(len(expected), len(predicted))  # the same last positions of the prompt
-        if both:
-            g.policy.observe_first([a == b for a, b in zip(expected[-both:],
-                                                           predicted[-both:])])
+        if expected is not None and predicted is not None:  # the same last prompt positions
+            both = min(expected.shape[0], predicted.shape[0])
+            g.policy.observe_first(_one_token_acceptance(expected[-both:], predicted[-both:],
+                                                         g.sampling))
         g.stats.policy = g.policy
 
 
@@ -308,10 +309,10 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         chosen, catch_up = None, 0.0
         if k > 0:  # after plain rounds the draft catches up first, which k="auto" learns from
             with mx.stream(g.stream):
-                catch_up, matches = g.drafter.catch_up(
-                    predict=CATCH_UP_EVIDENCE if g.looks else 0)
-            if matches:
-                k = g.reconsider(matches, limit)
+                catch_up, rows = g.drafter.catch_up(predict=CATCH_UP_EVIDENCE if g.looks else 0)
+                evidence = _catch_up_evidence(g, rows) if rows is not None else []
+            if evidence:
+                k = g.reconsider(evidence, limit)
         if k > 0:
             draft_key, verify_key = g.split(2)
             with mx.stream(g.stream):
@@ -330,6 +331,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 if g.looks and g.whole and beyond is not None:
                     g.policy.observe_beyond(g.whole, beyond)
                 g.whole = len(proposed) if n == len(proposed) else 0
+                g.plain_rows.clear()
                 _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
                 timed = g.traces() == traced
                 if (yield from _commit(g, proposed[:n] + [token], len(proposed), logprobs,
@@ -345,6 +347,8 @@ def _rounds(g: _Generation) -> Iterator[Token]:
             if chosen == 0:
                 following = _queue(g, step.token, step.history)
         token = step.token.item()
+        if g.looks and not g.sampling.greedy:  # kept for the next catch-up's evidence
+            g.plain_rows = [*g.plain_rows[1 - CATCH_UP_EVIDENCE :], step.logprobs]
         # timed: a pipelined step that traced nothing (a stretch's first step waits for the
         # one queued behind it too; the policy leaves its last, which waits for little, out of
         # R(0) as well); ranks run every plain step unpipelined
@@ -352,6 +356,30 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up)):
             return
         step = following
+
+
+def _one_token_acceptance(p: mx.array, q: mx.array, sampling: SamplingParams) -> list[float]:
+    """Per row of target logits `p` (n, V) and draft logits `q` (n, V') after the same text: the
+    probability that a one-token draft there is accepted. Greedy: whether the argmaxes agree;
+    sampled: sum min(p, q) of the warped distributions (`rejection.acceptance_probability`)."""
+    if sampling.greedy:
+        return (mx.argmax(p, axis=-1) == mx.argmax(q, axis=-1)).astype(mx.float32).tolist()
+    return acceptance_probability(warp(p, sampling), warp(q, sampling)).tolist()
+
+
+def _catch_up_evidence(g: _Generation, rows: mx.array) -> list[float]:
+    """What a catch-up's draft logits `rows` (predicting seq[-n:]) tell about drafting there:
+    per position the probability that a one-token draft would have been accepted. Greedy, the
+    target's argmax is the token that followed; sampled, the target's distribution there is
+    known for the plain stretch's tokens only (`plain_rows`)."""
+    n = rows.shape[0]
+    if g.sampling.greedy:
+        drafted = mx.argmax(rows, axis=-1).tolist()
+        return [float(d == t) for d, t in zip(drafted, g.seq[-n:])]
+    m = min(n, len(g.plain_rows))
+    if m == 0:
+        return []
+    return _one_token_acceptance(mx.stack(g.plain_rows[-m:]), rows[-m:], g.sampling)
 
 
 def _queue(g: _Generation, token: mx.array, history: mx.array | None) -> _Step:
