@@ -70,6 +70,8 @@ def test_round_cost_interpolates_and_extrapolates():
     assert policy.round_cost(5) == pytest.approx(3.2)  # slope of the two largest: 0.3 per k
     policy.round_seconds = {0: 1.0, 1: 2.5}
     assert policy.round_cost(3) == pytest.approx(3.5)  # draft steps only: 0.5 per k
+    policy.round_seconds = {0: 1.0, 1: 2.0, 2: 3.5}
+    assert policy.round_cost(4) == pytest.approx(6.5)  # measured: 1.5 per k, not the prior's 0.5
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.9, 0.95])
