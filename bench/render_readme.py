@@ -520,6 +520,31 @@ def auto_fresh(r: dict) -> list[str]:
     return lines
 
 
+def sampled_bound(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**What bounds sampled speculation** (`python bench/sampled_bound.py`; demo pair, "
+        f"{s['dtype']}, {s['prompts']} prompts x {s['seeds']} seeds x {s['max_tokens']} tokens; "
+        "[json](results/sampled_bound.json), [plot](results/sampled_bound.png)): a one-token "
+        "draft is accepted with probability sum min(p, q), so k = 1 pays only above "
+        "R(1) / R(0) - 1, whatever the sampling overhead",
+        "",
+        "| T | acceptance reachable (sum min(p, q) on the target's text) | k = 1 acceptance in "
+        "the loop | R(0) | R(1) | acceptance k = 1 needs | k = 1 / plain at that bound | "
+        "k = 1 / plain measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in r["cells"]:
+        t = f"{c['temp']:g}" + (f" (top-p {c['top_p']}, top-k {c['top_k']})" if c["temp"]
+                                else " (greedy: argmax agreement)")
+        lines.append(
+            f"| {t} | {c['acceptance_own_text']:.2f} | {c['acceptance_k1_loop']:.2f} | "
+            f"{c['round_ms']['0']:.2f} ms | {c['round_ms']['1']:.2f} ms | "
+            f"{c['break_even_acceptance']:.2f} | {c['k1_bound_vs_plain']:.2f}x | "
+            f"{c['k1_tok_s'] / c['plain_tok_s']:.2f}x |")
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -540,6 +565,7 @@ def main() -> None:
         ("auto", auto),
         ("auto_shapes", auto),
         ("auto_fresh", auto_fresh),
+        ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
         ("blas", blas),

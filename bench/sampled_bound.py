@@ -10,7 +10,8 @@ agree; 0.7 with top-p 0.8 and top-k 20, Qwen2.5-Instruct's shipped defaults):
 - a: the mean of sum min(p, q) over the positions of text the target sampled itself (one
   forward of each model over prompt + text, independent of the loop), per prompt and seed;
 - R(0), R(1): the measured decode time per round of plain and k = 1 generations of that setting
-  in this process (each contender in turn, medians), and the acceptance k = 1 reached there;
+  in this process (the same prompts and seeds, each contender in turn, which goes first
+  alternating; medians), and the acceptance k = 1 reached there;
 - the bound: the k = 1 / plain ratio that a would give at these round costs, (1 + a) R(0) / R(1).
 
 Writes results/sampled_bound.json and .png.
@@ -64,17 +65,22 @@ def main() -> None:
     for temp, extra in SETTINGS.items():
         params = SamplingParams(temp, **extra)
         accept, rates, ks = [], {"plain": [], "k=1": []}, []
+        for ids in prompts:  # the acceptance first, untimed: its eager forwards stay apart
+            for seed in range(args.seeds):
+                out, _ = generate(target, None, tok, ids, max_tokens=args.max_tokens,
+                                  temperature=temp, seed=seed, **extra)
+                accept += acceptance_on_own_text(target, draft, ids, out, params)
+        turn = 0
         for ids in prompts:
             for seed in range(args.seeds):
-                for name, d in (("plain", None), ("k=1", draft)):
+                turn += 1  # plain first every other time: neither always follows the other
+                for name, d in (("plain", None), ("k=1", draft))[:: 1 if turn % 2 else -1]:
                     steps = stream_generate(target, d, tok, ids, k=1, max_tokens=args.max_tokens,
                                             temperature=temp, seed=seed, **extra)
-                    out, rate, extras = decode_rate((r.token, r) for r in steps)
+                    _, rate, extras = decode_rate((r.token, r) for r in steps)
                     stats = extras[-1].stats
                     rates[name].append((rate, stats.rounds, stats.generated))
-                    if d is None:  # the text the target sampled itself
-                        accept += acceptance_on_own_text(target, draft, ids, out, params)
-                    else:
+                    if d is not None:
                         ks.append((stats.accepted, stats.drafted))
         # seconds per round from decode tokens/s: (generated - 1) tokens over the rounds after
         # the first (the decode rate starts at the first token)
