@@ -121,7 +121,7 @@ class ModelDraft:
         self.model = self.policy_key = model
         self.seq: list[int] = []
         self.cache: Cache | None = None
-        self._beyond: tuple[mx.array, int] | None = None  # (argmax after d_k, the token after)
+        self._beyond: tuple[mx.array, int] | None = None  # (logits after d_k, the token after)
 
     def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
         """`cache` None: the model drafts in a batch, on the batch's cache."""
@@ -137,20 +137,20 @@ class ModelDraft:
         if k == 0:
             return _empty()
         unseen = self.seq[cache_length(self.cache) :]
-        foresee = len(unseen) == 2 and sampling.greedy and not processors
-        drafts, q, ahead = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
-                                        history, processors, width, foresee)
-        if ahead is not None:
-            self._beyond = ahead, unseen[-1]
+        drafts, q, after = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
+                                        history, processors, width)
+        if len(unseen) == 2 and sampling.greedy and not processors:
+            self._beyond = after[-2], unseen[-1]
         return drafts, q
 
     def beyond(self) -> bool | None:
-        """See the module docstring; reads a value the proposal's first step computed."""
+        """See the module docstring; the argmax of logits the proposal's first step computed,
+        taken only when asked (fixed k never asks)."""
         if self._beyond is None:
             return None
-        ahead, following = self._beyond
+        logits, following = self._beyond
         self._beyond = None
-        return ahead.item() == following
+        return mx.argmax(logits).item() == following
 
     def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
         """Feed the model what it missed (after plain rounds) but the last token, as a prefill,
@@ -391,30 +391,27 @@ def _draft_chain(
     history: mx.array | None = None,
     processors: Sequence[Processor] = (),
     width: int | None = None,
-    foresee: bool = False,
-) -> tuple[mx.array, mx.array | None, mx.array | None]:
+) -> tuple[mx.array, mx.array | None, mx.array]:
     """Propose k tokens. Returns draft tokens (k,), when sampling their distributions q (k, V),
-    and with `foresee` the draft's argmax after unseen[-2] (`ModelDraft.beyond`; else None).
+    and the first step's logits after each of `unseen`, (len(unseen), Vq), lazily (raw: before
+    any processor; `ModelDraft.beyond` reads the one after unseen[-2]).
 
     Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
     With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
     """
     keys = None if params.greedy else mx.random.split(key, k)
     x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
-    tokens, qs, ahead = [], [], None
+    tokens, qs, first = [], [], None
     for i in range(k):
         all_logits = forward(draft, x[None], cache)[0]  # (L, Vq)
+        first = all_logits if first is None else first
         logits = draft_logits(all_logits[-1], history, tokens, processors, width)
         if params.greedy:
             token = mx.argmax(logits, axis=-1).astype(mx.int32)
         else:
             q, token = draw(logits, params, keys[i])
             qs.append(q)
-        if i == 0 and foresee and x.shape[0] >= 2:
-            ahead = mx.argmax(all_logits[-2], axis=-1)
-            mx.async_eval(token, ahead)
-        else:
-            mx.async_eval(token)
+        mx.async_eval(token)
         tokens.append(token)
         x = token[None]
-    return mx.stack(tokens), (mx.stack(qs) if qs else None), ahead
+    return mx.stack(tokens), (mx.stack(qs) if qs else None), first

@@ -200,11 +200,9 @@ class DraftLengthPolicy:
         another process's load (a file written on a busy machine had R(2) at 1.7x R(1) where it
         is 1.4x, so k = 2 was never tried again), and the estimate below is optimistic, so such a
         k gets timed here once and is then judged on its own cost."""
-        known, here = self.round_seconds, self.costs.here
-        if k in known and (k in here or k == 0 or not here - {0}):
+        known = self._costs_in_use()
+        if k in known:
             return known[k]
-        if here - {0}:
-            known = {j: v for j, v in known.items() if j in here or j == 0}
         ks = sorted(known)
         below = [j for j in ks if j < k]
         above = [j for j in ks if j > k]
@@ -223,6 +221,15 @@ class DraftLengthPolicy:
             lo = below[-2]
             slope = max(0.0, (known[hi] - known[lo]) / (hi - lo))
         return known[hi] + slope * (k - hi)
+
+    def _costs_in_use(self) -> dict[int, float]:
+        """The measured round costs estimates start from: R(0) and, once this process has timed
+        a drafting round, the drafting k it has timed; before that, everything known (loaded
+        from the policy file too)."""
+        timed_here = self.costs.here - {0}
+        if not timed_here:
+            return self.round_seconds
+        return {k: v for k, v in self.round_seconds.items() if k in timed_here or k == 0}
 
     @staticmethod
     def expected_tokens(alphas: list[float], k: int) -> float:
@@ -261,8 +268,7 @@ class DraftLengthPolicy:
             >= EXPLORE_MIN
         if 0 not in self.round_seconds:  # a new pair: k = 1 while the draft is in step, then R(0)
             return 1 if self.timed[1] < EXPLORE_TIMES and self.behind == 0 and promising else 0
-        # at most twice the largest k timed (in this process, once it has timed one) plus one
-        reach = 2 * max((self.costs.here - {0}) or self.round_seconds) + 1
+        reach = 2 * max(self._costs_in_use()) + 1  # twice the largest k timed, plus one
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
         rates = {

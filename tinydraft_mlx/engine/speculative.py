@@ -327,8 +327,8 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k
                 # (nor the bonus token): it stays behind, catching up in the next round, whose
                 # first draft step so tells whether one more position would have been accepted
-                beyond = g.drafter.beyond()
-                if g.looks and g.whole and beyond is not None:
+                beyond = g.drafter.beyond() if g.looks and g.whole else None
+                if beyond is not None:
                     g.policy.observe_beyond(g.whole, beyond)
                 g.whole = len(proposed) if n == len(proposed) else 0
                 g.plain_rows.clear()
