@@ -11,7 +11,8 @@ Both sides are measured online, not assumed:
   round (and by `PLAIN_DECAY` at every plain one where the loop `looks`, below) so that the
   estimate follows the text; a position with little data borrows strength from the pooled rate
   (posterior mean under a prior of weight `prior_strength` centred on it).
-- R(k): an exponential moving average of the measured wall time of rounds that drafted k. R(0) is
+- R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median:
+  on a shared machine a round now and then takes 2-3x its usual time). R(0) is
   the mean of a stretch of plain rounds without its first and last rounds, booked every
   `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
   first round of a stretch waits for two steps (its own and the one queued behind it) and the last
@@ -26,13 +27,17 @@ Both sides are measured online, not assumed:
   one: a file's k = 5 let a fresh process try k = 8), so a bad extrapolation costs one modest
   round, not a k_max-sized one.
 
-A new pair's first rounds draft one token, twice timed, unless the evidence already says its first
-position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target after the
-prefill: exploring then costs no catch-up); then plain rounds measure R(0) (its first estimate is
+A new pair's first rounds draft one token, timed three times, unless the evidence already says
+its first position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target
+after the prefill: exploring then costs no catch-up); then plain rounds measure R(0) (its first
+estimate is
 a stretch's second round, once a third shows it was not the last). One unlucky start (a traced
 step, rejected drafts) must not keep a process plain for a whole generation, nor may exploring
 cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process 5% of its
-generation there).
+generation there). A process that starts from the policy file still times k = 1 three times itself
+before it concludes plain decoding (where the first position is promising): the file's drafting
+costs may have been measured under another process's load, and a process that decodes plainly
+would never replace them.
 
 When plain decoding wins on the means, speculation is still tried in two ways:
 - Thompson sampling: each position's acceptance is drawn from its posterior (uniform prior); if
@@ -79,9 +84,10 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable
 from typing import Any
 
@@ -91,12 +97,13 @@ AUTO = "auto"
 AUTO_MAX_K = 8
 MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
 EXPLORE_KS = (1,)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
-EXPLORE_TIMES = 2
+EXPLORE_TIMES = 3
 PROMPT_EVIDENCE = 16  # the last prompt tokens whose predictions by target and draft are compared
 EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does not explore
 CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
 CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions count for at most
 STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their mean round)
+RECENT = 7  # a drafting k's cost R(k): the median of its last RECENT timings in this process
 PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
 HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
@@ -117,6 +124,7 @@ class RoundCosts:
         self.switch_fit = [0.0] * 5
         self.switches = 0
         self.here: set[int] = set()  # k timed in this process (the others were loaded)
+        self.recent: dict[int, deque[float]] = {}  # per drafting k its latest timings here
 
     def book_switch(self, behind: int, seconds: float) -> None:
         """A catch-up of `seconds` after `behind` plain rounds."""
@@ -231,6 +239,10 @@ class DraftLengthPolicy:
             return self.round_seconds
         return {k: v for k, v in self.round_seconds.items() if k in timed_here or k == 0}
 
+    def _timed_here(self, k: int) -> int:
+        """Rounds drafting k timed in this process (not loaded from the policy file)."""
+        return self.timed[k] if k in self.costs.here else 0
+
     @staticmethod
     def expected_tokens(alphas: list[float], k: int) -> float:
         total, reach = 1.0, 1.0
@@ -281,8 +293,11 @@ class DraftLengthPolicy:
         if rates[best] > plain_rate:
             self.plain_seconds = 0.0
             return best
-        untried = [k for k in EXPLORE_KS if k <= limit and self.timed[k] < EXPLORE_TIMES]
-        if untried and promising:  # too little evidence yet to give up on speculation
+        # too little evidence yet to give up on speculation: each process times k = 1 itself
+        # (a file's costs measured under another process's load, drafting at 3x a plain round,
+        # kept every later process plain, and plain-only processes saved the stale costs again)
+        untried = [k for k in EXPLORE_KS if k <= limit and self._timed_here(k) < EXPLORE_TIMES]
+        if untried and promising:
             return untried[0]
         # Thompson sampling (module docstring), over the k up to the largest timed one (the
         # extrapolated cost of an unmeasured k is optimistic: where looks kept finding the draft
@@ -432,11 +447,18 @@ class DraftLengthPolicy:
         if k not in self.costs.here:
             self.costs.here.add(k)
             self.timed[k] = 0
-        # running mean over the first 1/smoothing timed rounds, then a moving average; plain
-        # rounds are single tokens (many, and noisier one by one): a longer memory
         self.timed[k] += rounds
+        if k > 0:  # the median of the latest timings: a scheduler's hiccup (a round at 2-3x,
+            # seen every few dozen rounds on a shared machine) must not decide, and R(1) was
+            # judged on its first two rounds, one of them at 1.4x the rest
+            recent = self.costs.recent.setdefault(k, deque(maxlen=RECENT))
+            recent.append(seconds)
+            self.round_seconds[k] = statistics.median(recent)
+            return
+        # plain rounds (booked as a stretch's mean, many rounds each): a running mean at first,
+        # then a moving average of weight smoothing / 3 per round
         old = self.round_seconds.get(k, 0.0)
-        smoothing = self.smoothing / 3 if k == 0 else self.smoothing
+        smoothing = self.smoothing / 3
         weight = max(1.0 - (1.0 - smoothing) ** rounds, rounds / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
 
