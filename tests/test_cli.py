@@ -58,7 +58,8 @@ def test_cli_prompt_lookup_drafts_and_copies(capsys):
 
 def test_cli_bounded_cache(checkpoints, capsys):
     code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
-                 "--prompt", "def parse_args(", "--max-tokens", "40", "--max-kv-size", "16"])
+                 "--prompt", "def parse_args(", "--max-tokens", "40", "--max-kv-size", "16",
+                 "-k", "4"])
     assert code == 0 and "speculative k=4: 40 tokens" in capsys.readouterr().err
 
 
@@ -155,6 +156,11 @@ def test_the_stats_line_speaks_plainly(checkpoints, capsys):
     auto = GenerationStats(k="auto", generated=9, rounds=1, drafted=2, accepted=1)
     auto.k_histogram = {0: 3, 2: 1}
     assert "rounds by k {0: 3, 2: 1}" in auto.summary() and "over 1 round," in auto.summary()
+    # a position no round reached has no estimate: shown as "-", not as 0.00 (never accepted)
+    rejected_first = GenerationStats(k="auto")
+    rejected_first.record_round(1, 1)
+    rejected_first.record_round(3, 0)
+    assert "per position [0.50 - -]" in rejected_first.summary()
 
 
 def test_the_distributed_hint_is_a_command_that_runs():

@@ -84,7 +84,10 @@ class GenerationStats:
         )
         if not self.drafted:
             return f"plain decoding: {speed}" + ("" if self.k == 0 else f" (k={self.k}: no drafts)")
-        positions = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+        # a position no round reached (k="auto" drafted that far only after a rejection) has no
+        # estimate: "-", not 0.00
+        positions = " ".join(f"{a:.2f}" if r else "-" for a, r in
+                             zip(self.per_position_acceptance, self.position_reached))
         return (
             f"speculative k={self.k}: {speed}; acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted}/{self.drafted}), {self.mean_accepted_length:.2f} accepted + 1 per "
