@@ -244,3 +244,20 @@ def test_text_is_the_decoded_tokens_with_their_leading_space(demo, prompt, space
     ids = [r.token for r in out]
     assert "".join(r.text for r in out) == tok.decode(ids)
     assert tok.decode(ids[:1]).startswith(" ") == spaced
+
+
+def test_k_defaults_to_auto_in_every_entry_point():
+    """Where k is not given, every entry point drafts with k="auto": the API, the engine's loop
+    and batch decoder, the CLI's and the server's flags, and a server request's defaults."""
+    import inspect
+
+    from tinydraft_mlx import cli, server
+    from tinydraft_mlx.engine.batch import BatchDecoder
+    from tinydraft_mlx.engine.speculative import decode
+    from tinydraft_mlx.serving.service import Defaults
+
+    for function in (stream_generate, decode, BatchDecoder.insert):
+        assert inspect.signature(function).parameters["k"].default == "auto", function
+    assert cli.setup_arg_parser().parse_args([]).k == "auto"
+    assert server.setup_arg_parser().parse_args([]).k == "auto"
+    assert Defaults().k == "auto"

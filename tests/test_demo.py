@@ -99,7 +99,7 @@ def test_hybrid_drafts_from_both_sources_on_the_demo_pair(demo, demo_oracle):
 def test_cli_runs_on_the_demo_pair_by_default(capsys):
     assert main(["--prompt", "def parse_args(", "--max-tokens", "24"]) == 0
     out, err = capsys.readouterr()
-    assert out.strip() and "speculative k=4: 24 tokens" in err
+    assert out.strip() and "24 tokens" in err and "k=auto" in err  # the default k
 
 
 @pytest.mark.parametrize("name", ["target", "draft"])

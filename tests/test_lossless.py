@@ -185,6 +185,15 @@ def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkey
             assert len(policies[-1].observed) >= 2, policies[-1].observed
 
 
+def test_the_default_k_is_auto_and_matches_oracle(pair, references):
+    """No k given: the API drafts with k="auto" (the default) and stays the oracle's greedy
+    output."""
+    target, draft, tok = pair
+    for ids, ref in references.values():
+        out, stats = generate(target, draft, tok, ids, max_tokens=NEW_TOKENS)
+        assert out == ref and stats.k == "auto"
+
+
 def test_auto_with_its_real_policy_matches_oracle(pair, references):
     target, draft, tok = pair
     for ids, ref in references.values():

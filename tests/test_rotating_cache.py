@@ -108,6 +108,12 @@ def test_window_too_small_for_k(pair):
         generate(target, draft, tok, PROMPT, k=4, max_kv_size=8)
     with pytest.raises(ValueError, match="max_kv_size must be an integer >= 5"):
         generate(target, None, tok, PROMPT, max_kv_size=4)
+    # the default k="auto" drafts up to 8 tokens a round: the message says why 13 and what helps
+    with pytest.raises(ValueError, match=r"max_kv_size must be an integer >= 13 \(a round of "
+                       r"k='auto' writes 9 positions beside the 4 kept; a smaller window needs "
+                       r"a smaller k\) \(got 12\)"):
+        generate(target, draft, tok, PROMPT, max_kv_size=12)
+    assert len(generate(target, draft, tok, PROMPT, k=4, max_kv_size=12, max_tokens=8)[0]) == 8
 
 
 def test_model_with_its_own_caches_is_refused_before_work():

@@ -19,7 +19,7 @@ from .engine.cache import KEEP, Cache, cache_length, make_cache
 from .engine.drafters import Drafter, max_draft_length, resolve_drafter
 from .engine.forward import vocab_width
 from .engine.lookup import PromptLookup
-from .engine.policy import AUTO, AUTO_MAX_K
+from .engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
 from .engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
 from .engine.speculative import Progress, Token, decode
 from .engine.stats import GenerationStats
@@ -112,7 +112,7 @@ def stream_generate(
     tokenizer: Any,
     prompt: str | list[int] | Messages,
     *,
-    k: int | str = 4,
+    k: int | str = DEFAULT_K,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -258,7 +258,14 @@ def _plan(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, *, k: int 
                                  f"{prompt_cache.max_kv_size}", max_kv_size)
         max_kv_size = prompt_cache.max_kv_size
     if max_kv_size is not None:
-        check_int("max_kv_size", max_kv_size, KEEP + k_eff + 1)
+        need = KEEP + k_eff + 1  # the kept sink positions beside a round's k + 1
+        try:
+            check_int("max_kv_size", max_kv_size, need)
+        except ParameterError:
+            why = f" (a round of k={k!r} writes {k_eff + 1} positions beside the {KEEP} kept; " \
+                  "a smaller window needs a smaller k)" if k_eff else ""
+            raise ParameterError("max_kv_size", f"an integer >= {need}{why}",
+                                 max_kv_size) from None
     if prompt_cache is not None:
         prompt_cache.check_models(target, drafter.model)
         prompt_cache.check_free()

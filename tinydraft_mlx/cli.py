@@ -19,6 +19,7 @@ from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
 from .backend import active_blas, device_name
 from .engine.distributed import DesyncError, ranks_of
 from .engine.forward import PREFILL_STEP
+from .engine.policy import DEFAULT_K
 from .engine.pruning import VocabError
 from .engine.sampling import ParameterError, SamplingParams, check_int
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models, no_draft_notice
@@ -56,9 +57,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="draft model, 'prompt-lookup' (copy n-gram continuations from the prompt "
                         "and output, no model), or 'none' for plain decoding (default: the demo "
                         "draft, or Qwen2.5-0.5B of the same publisher for a Qwen2.5 target)")
-    p.add_argument("-k", "--num-draft-tokens", default="4", dest="k",
-                   help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS}, or 'auto' to choose "
-                        "0..8 every round from measured acceptance and costs (default 4)")
+    p.add_argument("-k", "--num-draft-tokens", default=str(DEFAULT_K), dest="k",
+                   help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS}, or 'auto' (default) to "
+                        "choose 0..8 every round from measured acceptance and costs (0: plain "
+                        "decoding where drafting does not pay); with --seed, a fixed k also fixes "
+                        "the sample, 'auto' only its distribution")
     p.add_argument("--prompt", "-p", default=None, help="prompt text (default: read stdin)")
     p.add_argument("--max-tokens", "-m", default="256", help="tokens to generate (256)")
     p.add_argument("--temp", default="0.0", help="temperature, 0 = greedy (0)")

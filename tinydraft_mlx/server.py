@@ -34,6 +34,7 @@ from .engine.batch import unbatchable
 from .engine.cache import KEEP
 from .engine.drafters import HYBRID, resolve_drafter
 from .engine.lookup import NO_DRAFT
+from .engine.policy import DEFAULT_K
 from .engine.sampling import ParameterError, SamplingParams, check_int
 from .serving import limits
 from .serving.app import create_app
@@ -56,9 +57,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="target model: hub id or directory (default: the bundled demo target)")
     p.add_argument("--draft", "--draft-model", default=None,
                    help="draft model, 'prompt-lookup' or 'none' (default: as the CLI)")
-    p.add_argument("-k", "--num-draft-tokens", default="4", dest="k",
-                   help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' (4); "
-                        "requests may set num_draft_tokens")
+    p.add_argument("-k", "--num-draft-tokens", default=str(DEFAULT_K), dest="k",
+                   help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' "
+                        f"({DEFAULT_K}); requests may set num_draft_tokens")
     p.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
                    help="with a draft model, requests that leave out `draft` draft with it and "
                         "prompt lookup together, each round from whichever has recently given "

@@ -95,6 +95,9 @@ from . import policy_store
 
 AUTO = "auto"
 AUTO_MAX_K = 8
+# k when none is given (API, engine, CLI, server): "auto", far ahead of any one fixed k where
+# that k loses, and near the best fixed k where one pays (results/auto_fresh.json)
+DEFAULT_K: int | str = AUTO
 MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
 EXPLORE_KS = (1,)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
 EXPLORE_TIMES = 3

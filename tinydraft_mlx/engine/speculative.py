@@ -38,6 +38,7 @@ from .forward import PREFILL_STEP, forward, prefill, traces, vocab_width
 from .policy import (
     AUTO,
     CATCH_UP_EVIDENCE,
+    DEFAULT_K,
     PROMPT_EVIDENCE,
     DraftLengthPolicy,
     sampling_regime,
@@ -191,7 +192,7 @@ def decode(
     draft: object,
     prompt: list[int],
     *,
-    k: int | str = 4,
+    k: int | str = DEFAULT_K,
     max_tokens: int = 256,
     sampling: SamplingParams = SamplingParams(),
     eos_token_ids: Iterable[int] = (),

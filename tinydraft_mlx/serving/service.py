@@ -27,6 +27,7 @@ from ..api import check_k
 from ..engine.drafters import HYBRID, MODEL, Hybrid
 from ..engine.forward import vocab_width
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
+from ..engine.policy import DEFAULT_K
 from ..engine.sampling import ParameterError, SamplingParams, check_int
 from ..text import chat_text, check_stop, prompt_ids
 from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
@@ -75,7 +76,7 @@ def parameter_error(err: ParameterError, renames: dict[str, str] | None = None) 
 class Defaults:
     """What a request gets for the fields it leaves out (the server's flags)."""
 
-    k: int | str = 4
+    k: int | str = DEFAULT_K
     draft: str = DRAFT_MODEL
     max_tokens: int = 512
     temperature: float = 0.0
