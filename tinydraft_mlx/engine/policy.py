@@ -30,14 +30,13 @@ Both sides are measured online, not assumed:
 A new pair's first rounds draft one token, timed three times, unless the evidence already says
 its first position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target
 after the prefill: exploring then costs no catch-up); then plain rounds measure R(0) (its first
-estimate is
-a stretch's second round, once a third shows it was not the last). One unlucky start (a traced
-step, rejected drafts) must not keep a process plain for a whole generation, nor may exploring
-cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process 5% of its
-generation there). A process that starts from the policy file still times k = 1 three times itself
-before it concludes plain decoding (where the first position is promising): the file's drafting
-costs may have been measured under another process's load, and a process that decodes plainly
-would never replace them.
+estimate is a stretch's second round, once a third shows it was not the last). One unlucky start
+(a traced step, rejected drafts) must not keep a process plain for a whole generation, nor may
+exploring cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process
+5% of its generation there). A process that starts from the policy file still times k = 1 three
+times itself before it concludes plain decoding (where the first position is promising): the
+file's drafting costs may have been measured under another process's load, and a process that
+decodes plainly would never replace them.
 
 When plain decoding wins on the means, speculation is still tried in two ways:
 - Thompson sampling: each position's acceptance is drawn from its posterior (uniform prior); if
