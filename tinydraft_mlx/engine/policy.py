@@ -175,7 +175,7 @@ class DraftLengthPolicy:
         *,
         draft_ratio: float = 0.25,
         decay: float = 0.97,
-        smoothing: float = 0.3,
+        smoothing: float = 0.1,
         prior_strength: float = 2.0,
         probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
@@ -458,10 +458,9 @@ class DraftLengthPolicy:
             self.round_seconds[k] = statistics.median(recent)
             return
         # plain rounds (booked as a stretch's mean, many rounds each): a running mean at first,
-        # then a moving average of weight smoothing / 3 per round
+        # then a moving average of weight `smoothing` per round
         old = self.round_seconds.get(k, 0.0)
-        smoothing = self.smoothing / 3
-        weight = max(1.0 - (1.0 - smoothing) ** rounds, rounds / self.timed[k])
+        weight = max(1.0 - (1.0 - self.smoothing) ** rounds, rounds / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
 
 

@@ -154,6 +154,12 @@ class _Generation:
         would have to agree on it every token, so they run its plain rounds unpipelined."""
         return self.ranks is None or self.policy is None
 
+    @property
+    def keeps_plain_rows(self) -> bool:
+        """Whether plain steps keep the target's log-probabilities (`plain_rows`) for the next
+        catch-up's evidence: sampled rounds where the loop looks before it leaps."""
+        return self.looks and not self.sampling.greedy
+
     def reconsider(self, evidence: list[float], limit: int) -> int:
         """This round's k again, once the policy has booked the catch-up's evidence."""
         self.policy.observe(evidence)
@@ -348,7 +354,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
             if chosen == 0:
                 following = _queue(g, step.token, step.history)
         token = step.token.item()
-        if g.looks and not g.sampling.greedy:  # kept for the next catch-up's evidence
+        if g.keeps_plain_rows:
             g.plain_rows = [*g.plain_rows[1 - CATCH_UP_EVIDENCE :], step.logprobs]
         # timed: a pipelined step that traced nothing (a stretch's first step waits for the
         # one queued behind it too; the policy leaves its last, which waits for little, out of
@@ -391,8 +397,8 @@ def _queue(g: _Generation, token: mx.array, history: mx.array | None) -> _Step:
     with mx.stream(g.stream):
         step = _Step(*_plain_step(g.target, g.target_cache, token, history, g.sampling, key,
                                   g.processors))
-    if g.looks and not g.sampling.greedy:  # kept for evidence (`plain_rows`): evaluated with
-        # the token, not kept lazily (16 lazy rows held slowed sampled plain rounds by 4%)
+    if g.keeps_plain_rows:  # evaluated with the token, not kept lazily (16 lazy rows held
+        # slowed sampled plain rounds by 4%)
         mx.async_eval(step.token, step.logprobs)
     else:
         mx.async_eval(step.token)
