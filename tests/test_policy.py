@@ -386,10 +386,11 @@ def test_sampled_evidence_books_expected_counts_along_the_text():
 def test_a_file_that_says_plain_does_not_keep_a_process_from_timing_drafts():
     """Drafting costs in the policy file measured under another process's load (here 3x a plain
     round) must not keep a new process plain: a process that decodes plainly never times a
-    drafting round, and saves the stale costs again for the next one (seen: every fresh process
-    of a benchmark decoded 128 tokens plainly where k = 1 was 1.25x faster). Where the first
-    position is promising a process times k = 1 twice itself before concluding plain decoding;
-    where it is not, it does not explore."""
+    drafting round, and saves the stale costs again for the next one (seen: a benchmark's
+    processes with the file decoded 100-128 of 128 tokens plainly, three runs in a row, where
+    k = 1 was 1.25x faster). Where the first position is promising a process times k = 1 itself
+    (up to EXPLORE_TIMES rounds) before concluding plain decoding; where it is not, it does not
+    explore."""
     from tinydraft_mlx.engine.policy import RoundCosts
 
     def loaded(accepted, rejected):
