@@ -16,6 +16,7 @@ class ScriptedPolicy:
         self.rounds = 0
         self.observed: list[list[bool]] = []
         self.beyond: list[tuple[int, bool]] = []
+        self.caught_up: list[bool] = []  # per `choose`: whether the draft had just caught up
 
     @property
     def looks(self) -> bool:
@@ -25,7 +26,8 @@ class ScriptedPolicy:
     def looks(self, value: bool) -> None:
         pass  # the schedule decides
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, caught_up: bool = False) -> int:
+        self.caught_up.append(caught_up)
         k = self.SCHEDULE[self.rounds % len(self.SCHEDULE)]
         self.rounds += 1
         return min(k, limit)

@@ -167,7 +167,7 @@ class _Recording(ScriptedPolicy):
         super().__init__()
         self.updates, self.catch_ups, self.calls = [], [], 0
 
-    def choose(self, limit):  # the n-th call chooses the n-th round
+    def choose(self, limit, caught_up=False):  # the n-th call chooses the n-th round
         self.calls += 1
         return min(self.SCHEDULE[(self.calls - 1) % len(self.SCHEDULE)], limit)
 
@@ -462,7 +462,8 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     after each of the prompt's last tokens, and after plain rounds whether the draft's argmax
     after each token it catches up on was the token that followed: both must be what the two
     models predict from the whole sequence (computed here independently); the output stays the
-    plain greedy one. Sampled, it books sum min(p, q) at the same positions (numpy softmax of
+    plain greedy one; the choice after a catch-up is told that the draft has caught up.
+    Sampled, it books sum min(p, q) at the same positions (numpy softmax of
     independent forwards, T = 1), the catch-up's over the plain rounds' tokens only."""
     import tinydraft_mlx.engine.speculative as spec
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE, PROMPT_EVIDENCE
@@ -473,6 +474,9 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=24)]
     assert out == ref[:24]
+    # 10 plain rounds, the 11th chooses 2: the draft catches up, and the policy is asked
+    # again knowing that the draft is now in step (a look)
+    assert policy.caught_up[:12] == [False] * 11 + [True]
     fed = ids[:-1]  # the prefill feeds all but the prompt's last token
     (t_pred, t_clear), (d_pred, d_clear) = (_argmax_after_each(m, fed, margins=True)
                                             for m in (target, draft))

@@ -410,3 +410,74 @@ def test_a_file_that_says_plain_does_not_keep_a_process_from_timing_drafts():
     assert policy.choose(8) > 0  # drafting pays at this process's costs
     hopeless = loaded(0.5, 9.5)  # ~0.05: not worth a look
     assert hopeless.choose(8) == 0
+
+
+def _near_break_even(accepted: float, rejected: float, behind: int) -> DraftLengthPolicy:
+    """A policy whose k = 1 round costs 1.5 plain rounds (break-even at acceptance 0.5) with
+    the first position's evidence as given, `behind` plain rounds since it last drafted."""
+    policy = DraftLengthPolicy(4)
+    policy.round_seconds.update({0: 1.0, 1: 1.5})
+    policy.timed.update({0: 5, 1: 5})
+    policy.costs.here.update({0, 1})
+    policy.accepted[0], policy.rejected[0] = accepted, rejected
+    policy.behind = behind
+    return policy
+
+
+def test_in_step_thompson_keeps_drafting_while_the_evidence_is_thin():
+    """Plain decoding wins on the means (acceptance 0.4 where 0.5 breaks even). A drafting
+    round measures acceptance as it goes and costs no catch-up, a plain round learns nothing
+    until the next look: so a policy whose draft is in step (it drafted last round, or has just
+    caught up) keeps drafting as often as a draw from a thin posterior says drafting is not
+    worse than plain by more than a switch back would cost over HORIZON tokens (here: a draw
+    above ~0.46); on strong evidence at the same mean it stops (the draws sit at the mean: 2.3
+    rounds' loss over 32 tokens against a switch of 1); behind the target it switches only when
+    a draw repays the catch-up."""
+    def drafts(accepted: float, rejected: float, behind: int = 0,
+               caught_up: bool = False) -> int:
+        policy = _near_break_even(accepted, rejected, behind)
+        count = 0
+        for _ in range(400):
+            policy.plain_seconds = 0.0  # no probe budget
+            count += policy.choose(4, caught_up=caught_up) > 0
+        return count
+
+    thin_in_step = drafts(4.0, 6.0)
+    assert 80 <= thin_in_step <= 240, thin_in_step
+    assert drafts(4.0, 6.0, behind=10, caught_up=True) == pytest.approx(thin_in_step, abs=60)
+    assert drafts(4.0, 6.0, behind=10) < thin_in_step / 2
+    assert drafts(400.0, 600.0) == 0
+
+
+def test_hopeless_drafting_in_step_stops_at_once():
+    """Where drafting clearly loses (acceptance 0.1 on 20 rounds' evidence) being in step does
+    not keep it drafting."""
+    policy = _near_break_even(2.0, 18.0, 0)
+    assert sum(policy.choose(4) > 0 for _ in range(200)) <= 2
+
+
+def test_a_generations_first_plain_stretch_looks_once():
+    """Where the loop looks before it leaps, a generation's first plain stretch looks at its
+    text after FIRST_LOOK rounds (the first tokens after a prompt are often the hardest: three
+    rejected k = 1 rounds there kept fresh processes plain for 30-60 rounds where k = 1 pays
+    throughout), once: a look that books a catch-up ends it. Without looks, no such probe."""
+    from tinydraft_mlx.engine.policy import FIRST_LOOK
+
+    def rounds_to_look(looks: bool, due: bool = True) -> int:
+        policy = _near_break_even(0.5, 39.5, 0)  # no Thompson draw acts within 100 rounds
+        policy.looks, policy.look_due = looks, due
+        policy.update(0, 0, 1.0)  # behind: 1
+        for _ in range(1, 100):
+            policy.plain_seconds = 0.0  # no probe budget: the look alone
+            if policy.choose(4) > 0:
+                return policy.behind
+            policy.update(0, 0, 1.0)
+        return 100
+
+    assert rounds_to_look(True) == FIRST_LOOK
+    assert rounds_to_look(False) == 100 and rounds_to_look(True, due=False) == 100
+    policy = _near_break_even(0.5, 9.5, FIRST_LOOK)
+    policy.looks, policy.look_due = True, True
+    assert policy.choose(4) > 0
+    policy.update(0, 0, 1.0, catch_up=0.5)  # the look found plain decoding better
+    assert not policy.look_due

@@ -37,7 +37,7 @@ class _PlainThenOne(ScriptedPolicy):
     """k="auto" schedule for the test: a plain round, then k = 1 (what the real policy does on
     most machines, but not on all: this makes it certain)."""
 
-    def choose(self, limit):
+    def choose(self, limit, caught_up=False):
         self.rounds += 1
         return 0 if self.rounds == 1 else min(1, limit)
 

@@ -38,7 +38,14 @@ times itself before it concludes plain decoding (where the first position is pro
 file's drafting costs may have been measured under another process's load, and a process that
 decodes plainly would never replace them.
 
-When plain decoding wins on the means, speculation is still tried in two ways:
+When plain decoding wins on the means, speculation is still tried in three ways:
+- where the draft is in step (it drafted the last round, or has just caught up on a look),
+  drafting goes on as long as a Thompson draw (below) says it loses less over `HORIZON` tokens
+  than a switch back would cost: a drafting round measures acceptance as it goes, a plain round
+  learns nothing until the next look, so near break-even on thin evidence drafting is the better
+  bet (on the means alone, three rejected first rounds kept fresh processes plain for 30-60
+  rounds of a text where k = 1 paid throughout; the first tokens after a prompt are often the
+  hardest). On strong evidence the draws sit at the means, and drafting that loses stops.
 - Thompson sampling: each position's acceptance is drawn from its posterior (uniform prior); if
   drafting (a k whose cost has been measured) would beat plain decoding at the drawn values by
   enough to repay within `HORIZON` tokens the catch-up (and, where the loop does not look first,
@@ -51,6 +58,9 @@ When plain decoding wins on the means, speculation is still tried in two ways:
   the plain rounds it missed: a prefill of those tokens, fitted as a fixed part plus a part per
   token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
   underrated long stretches' probes by 2x).
+And a generation's first stretch of plain rounds looks at its text once, after `FIRST_LOOK`
+rounds (where the loop looks first: a catch-up of a few tokens), so that the text being written,
+not its prompt or first tokens, decides whether it is drafted.
 
 The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
 after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
@@ -107,6 +117,7 @@ CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions coun
 STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their mean round)
 RECENT = 7  # a drafting k's cost R(k): the median of its last RECENT timings in this process
 PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
+FIRST_LOOK = 8  # plain rounds after which a generation's first stretch looks at its text
 HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
@@ -200,6 +211,7 @@ class DraftLengthPolicy:
         # draft up, books its predictions (`observe`) and chooses again, so that a probe which
         # finds speculation hopeless costs only the catch-up (set per generation by the loop)
         self.looks = False
+        self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
 
     # -- estimates -------------------------------------------------------------------------------
@@ -272,8 +284,10 @@ class DraftLengthPolicy:
         ]
 
     # -- decisions -------------------------------------------------------------------------------
-    def choose(self, limit: int) -> int:
-        """k for the next round, at most `limit` (tokens the round may still emit, minus one)."""
+    def choose(self, limit: int, caught_up: bool = False) -> int:
+        """k for the next round, at most `limit` (tokens the round may still emit, minus one);
+        `caught_up`: the draft has just caught up on the plain rounds it missed (a look), so it
+        is in step with the target as after a drafting round."""
         limit = max(0, min(limit, self.k_max))
         if limit == 0:
             return 0
@@ -295,12 +309,32 @@ class DraftLengthPolicy:
         if rates[best] > plain_rate:
             self.plain_seconds = 0.0
             return best
+        switch = (self.costs.switch_cost(self.behind) if self.costs.switches
+                  else self.round_seconds[0])
+        measured = [k for k in rates if k <= max(self.timed)]
+        # Thompson sampling where the draft is in step (it drafted last round, or has just caught
+        # up): drafting goes on unless a draw says it loses more over HORIZON tokens than a
+        # switch back would cost. A drafting round measures acceptance as it goes, a plain round
+        # learns nothing until the next look, so near break-even on thin evidence drafting is
+        # the better bet: on the means alone, three rejected first rounds (the first tokens after
+        # a prompt are often the hardest) kept fresh processes plain for 30-60 rounds of a text
+        # where k = 1 paid throughout
+        if measured and (self.behind == 0 or caught_up):
+            pick, drawn_rate = self._drawn_best(measured)
+            if HORIZON * (1.0 / drawn_rate - 1.0 / plain_rate) < switch:
+                self.plain_seconds = 0.0
+                return pick
         # too little evidence yet to give up on speculation: each process times k = 1 itself
         # (a file's costs measured under another process's load, drafting at 3x a plain round,
         # kept every later process plain, and plain-only processes saved the stale costs again)
         untried = [k for k in EXPLORE_KS if k <= limit and self._timed_here(k) < EXPLORE_TIMES]
         if untried and promising:
             return untried[0]
+        # a generation's first plain stretch looks at its text once (module docstring)
+        if self.look_due and self.looks and self.behind >= FIRST_LOOK:
+            self.look_due = False
+            self.plain_seconds = 0.0
+            return best
         # Thompson sampling (module docstring), over the k up to the largest timed one (the
         # extrapolated cost of an unmeasured k is optimistic: where looks kept finding the draft
         # hopeless, R(1) was never measured and a draw of 0.2 looked worth a catch-up): a draw acts
@@ -310,15 +344,9 @@ class DraftLengthPolicy:
         # demo pair that asked for a drawn acceptance > 0.94 and never happened; nor "when the drawn
         # rate beats plain": each draw that favoured drafting by a hair bought a catch-up, every
         # third round on the demo pair.
-        switch = (self.costs.switch_cost(self.behind) if self.costs.switches
-                  else self.round_seconds[0])
-        measured = [k for k in rates if k <= max(self.timed)]
         if measured:
-            drawn = self._draw()
-            drawn_rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k)
-                           for k in measured}
-            pick = max(drawn_rates, key=lambda k: (drawn_rates[k], -k))
-            if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rates[pick]) > self._probe_loss(
+            pick, drawn_rate = self._drawn_best(measured)
+            if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rate) > self._probe_loss(
                     pick, alphas, switch):
                 self.plain_seconds = 0.0
                 return pick
@@ -330,6 +358,13 @@ class DraftLengthPolicy:
             self.plain_seconds = 0.0
             return best
         return 0
+
+    def _drawn_best(self, ks: list[int]) -> tuple[int, float]:
+        """The best of `ks` at a Thompson draw of the acceptance, and its tokens per second."""
+        drawn = self._draw()
+        rates = {k: self.expected_tokens(drawn, k) / self.round_cost(k) for k in ks}
+        pick = max(rates, key=lambda k: (rates[k], -k))
+        return pick, rates[pick]
 
     def _probe_loss(self, k: int, alphas: list[float], switch: float) -> float:
         """Expected seconds lost by a probe drafting k while plain decoding wins on the means
@@ -349,6 +384,7 @@ class DraftLengthPolicy:
         price of a switch, which prices probes but not sustained drafting (round_seconds)."""
         self.chosen[k] += 1
         if catch_up > 0:
+            self.look_due = False
             self.costs.book_switch(self.behind, catch_up)
             self.behind = 0  # the draft has caught up (a round may still end up plain)
         self.behind = self.behind + 1 if k == 0 else 0
@@ -552,6 +588,7 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
         pair = _SHARED[key] = _Pair(target, draft, _store_key(target, draft))
     policy = pair.policy(regime, draft_ratio)
     policy.plain_seconds = 0.0
+    policy.look_due = True  # FIRST_LOOK
     policy.behind = 0  # a generation's draft starts in step with its target (both prefilled)
     policy.pair = pair
     return policy

@@ -163,7 +163,7 @@ class _Generation:
     def reconsider(self, evidence: list[float], limit: int) -> int:
         """This round's k again, once the policy has booked the catch-up's evidence."""
         self.policy.observe(evidence)
-        return self.policy.choose(limit)
+        return self.policy.choose(limit, caught_up=True)
 
     def choose(self, limit: int) -> int:
         """k for a round that may emit at most limit + 1 tokens."""
