@@ -273,6 +273,7 @@ def test_thompson_probes_where_the_evidence_is_thin_not_where_it_is_strong():
         policy = DraftLengthPolicy(4)
         policy.round_seconds.update({0: 1.0, 1: 1.3})
         policy.timed.update({0: 5, 1: 5})
+        policy.costs.here.update({0, 1})  # timed in this process
         policy.rejected[0] = rejected
         count = 0
         for _ in range(300):
@@ -322,6 +323,7 @@ def test_a_policy_drafting_one_token_moves_to_two_where_the_second_would_pay():
     policy = DraftLengthPolicy(4)
     policy.round_seconds.update({0: 1.0, 1: 1.5, 2: 2.0})
     policy.timed.update({0: 5, 1: 5, 2: 1})
+    policy.costs.here.update({0, 1, 2})
     rng = random.Random(0)
     ks = []
     for _ in range(60):
@@ -368,7 +370,8 @@ def test_a_loaded_large_k_does_not_let_a_fresh_process_jump_to_k_max():
                 "5": 9}, "switch_fit": [0.0] * 5, "switches": 0})
     policy = DraftLengthPolicy(8, draft_ratio=0.1, costs=costs)
     policy.accepted = [50.0] * 8  # every position accepted: the longest affordable k wins
-    assert policy.choose(8) == 8  # from the file's costs alone: 5 timed, reach 11
+    policy.costs.here.add(0)  # R(0) timed here (the file's value, for the arithmetic)
+    assert policy.choose(8) == 8  # from the file's drafting costs: 5 timed, reach 11
     policy.update(1, 1, 1.5)
     assert policy.choose(8) == 3  # timed here: k = 1, reach 3
 
@@ -481,3 +484,20 @@ def test_a_generations_first_plain_stretch_looks_once():
     assert policy.choose(4) > 0
     policy.update(0, 0, 1.0, catch_up=0.5)  # the look found plain decoding better
     assert not policy.look_due
+
+
+def test_a_file_whose_plain_round_is_stale_does_not_keep_a_process_drafting():
+    """The mirror case: a file's R(0) measured under load (3x this process's) makes drafting
+    look good whatever the acceptance, and a process that drafts never times a plain round.
+    A process times R(0) itself before its costs decide: at acceptance 0.35, where a k = 1
+    round costs 1.5 plain rounds (plain decoding 1.1x faster), it ends up decoding plainly."""
+    from tinydraft_mlx.engine.policy import RoundCosts
+
+    costs = RoundCosts()
+    costs.load({"round_seconds": {"0": 3.0, "1": 1.5}, "timed": {"0": 50, "1": 50},
+                "switch_fit": [0.0] * 5, "switches": 0})
+    policy = DraftLengthPolicy(4, draft_ratio=0.25, costs=costs)
+    policy.accepted[0], policy.rejected[0] = 3.5, 6.5  # a file's acceptance: 0.35
+    _, _, ks = simulate(policy, lambda r: 0.35, lambda k: 1.0 + 0.5 * k, 200)
+    assert 0 in policy.costs.here and policy.round_seconds[0] == pytest.approx(1.0)
+    assert ks[-100:].count(0) >= 80, ks

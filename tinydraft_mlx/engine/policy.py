@@ -33,10 +33,12 @@ after the prefill: exploring then costs no catch-up); then plain rounds measure 
 estimate is a stretch's second round, once a third shows it was not the last). One unlucky start
 (a traced step, rejected drafts) must not keep a process plain for a whole generation, nor may
 exploring cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process
-5% of its generation there). A process that starts from the policy file still times k = 1 three
-times itself before it concludes plain decoding (where the first position is promising): the
-file's drafting costs may have been measured under another process's load, and a process that
-decodes plainly would never replace them.
+5% of its generation there). A process that starts from the policy file does the same: it
+times k = 1 (where the first position is promising) and R(0) itself before its costs decide, and
+k = 1 three times before it concludes plain decoding: the file's costs may have been measured
+under another process's load, and a process that decodes plainly never re-times a drafting k,
+one that drafts never re-times R(0) (a file's R(0) too high kept processes drafting k = 1 at
+acceptance 0.35, where plain decoding was 1.15x faster, for whole generations).
 
 When plain decoding wins on the means, speculation is still tried in three ways:
 - where the draft is in step (it drafted the last round, or has just caught up on a look),
@@ -294,8 +296,11 @@ class DraftLengthPolicy:
         # the first position's mean acceptance under a uniform prior: 1/3 after one rejection
         promising = (1.0 + self.accepted[0]) / (2.0 + self.accepted[0] + self.rejected[0]) \
             >= EXPLORE_MIN
-        if 0 not in self.round_seconds:  # a new pair: k = 1 while the draft is in step, then R(0)
-            return 1 if self.timed[1] < EXPLORE_TIMES and self.behind == 0 and promising else 0
+        if 0 not in self.costs.here:  # k = 1 while the draft is in step, then R(0), timed here
+            # (a file's R(0), measured under another process's load, too high, kept processes
+            # drafting k = 1 at acceptance 0.35 for whole generations: drafting never re-times it)
+            return 1 if self._timed_here(1) < EXPLORE_TIMES and self.behind == 0 and promising \
+                else 0
         reach = 2 * max(self._costs_in_use()) + 1  # twice the largest k timed, plus one
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
@@ -413,7 +418,7 @@ class DraftLengthPolicy:
                 self.stretch[0] += self.pending
                 self.stretch[1] += 1
             self.pending = seconds
-            if self.stretch[1] and (0 not in self.round_seconds
+            if self.stretch[1] and (0 not in self.costs.here
                                     or self.stretch[1] >= STRETCH_BOOK):
                 self._book_stretch()  # the first estimate at once: nothing is chosen without it
             return
