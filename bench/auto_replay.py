@@ -1,6 +1,6 @@
 """k="auto" replayed on recorded texts: the policy's own loss, apart from this machine's noise.
 
-    python bench/auto_replay.py                           # the demo pair (about 2 minutes)
+    python bench/auto_replay.py                           # the demo pair (under a minute)
     git show REV:tinydraft_mlx/engine/policy.py > /tmp/old_policy.py
     python bench/auto_replay.py --policy /tmp/old_policy.py --name auto_replay_old \\
         --costs-from results/auto_replay.json
