@@ -108,13 +108,21 @@ def noise_factors(kind: str, seed: int, n: int) -> list[float]:
     return factors
 
 
+def round_time(round_seconds: dict[int, float], k: int) -> float:
+    """The simulated machine's round of k draft tokens: as measured, and beyond the largest
+    measured k along the slope of the last two."""
+    top = max(round_seconds)
+    if k <= top:
+        return round_seconds[k]
+    return round_seconds[top] + (round_seconds[top] - round_seconds[top - 1]) * (k - top)
+
+
 def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: int | None,
            seed: int) -> tuple[float, list[int]]:
     """Tokens per second of one generation along `text`, at a fixed k or with a fresh policy
     (k="auto" as the loop drives it, policy file off); the ks chosen."""
     matches = text["matches"]
     n_tokens = len(matches)
-    rounds_s = costs["round_seconds"]
     policy = None
     if fixed is None:
         policy = policy_module.DraftLengthPolicy()
@@ -123,7 +131,7 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
         if hasattr(policy, "look_due"):
             policy.look_due = True
         policy.observe_first(text["prompt_evidence"])
-    i, seconds, ks, behind_tokens = 0, 0.0, [], 0
+    i, seconds, ks = 0, 0.0, []
     while i < n_tokens:
         limit = n_tokens - i - 1
         factor = noise[len(ks) % len(noise)]
@@ -132,29 +140,24 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
             k = min(fixed, limit)
         else:
             k = policy.choose(limit)
-            if k > 0 and behind_tokens > 0:  # a look: catch up, book its evidence, choose again
-                catch_up = (costs["catch_up_fixed"] + costs["catch_up_per_token"] * behind_tokens
+            behind = policy.behind  # plain rounds (one token each) the draft missed
+            if k > 0 and behind > 0:  # a look: catch up, book its evidence, choose again
+                catch_up = (costs["catch_up_fixed"] + costs["catch_up_per_token"] * behind
                             ) * factor
-                seen = min(policy_module.CATCH_UP_EVIDENCE, behind_tokens)
+                seen = min(policy_module.CATCH_UP_EVIDENCE, behind)
                 policy.observe([float(m) for m in matches[i - seen:i]])
                 try:
                     k = policy.choose(limit, caught_up=True)
                 except TypeError:  # a policy from before `caught_up`
                     k = policy.choose(limit)
-                behind_tokens = 0
         accepted = 0
         while accepted < k and matches[i + accepted]:
             accepted += 1
-        round_seconds = rounds_s[min(k, max(rounds_s))] * factor
-        if k > max(rounds_s):  # beyond the measured k: the slope of the last two
-            top = max(rounds_s)
-            round_seconds = (rounds_s[top] + (rounds_s[top] - rounds_s[top - 1]) * (k - top)
-                             ) * factor
+        round_seconds = round_time(costs["round_seconds"], k) * factor
         if policy is not None:
             policy.update(k, accepted, round_seconds, catch_up=catch_up)
             if k and accepted == k and i + k < n_tokens:
                 policy.observe_beyond(k, bool(matches[i + k]))
-            behind_tokens = behind_tokens + 1 if k == 0 else 0
         seconds += round_seconds + catch_up
         i += accepted + 1
         ks.append(k)
