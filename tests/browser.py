@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,12 +67,13 @@ class Page:
         exe = find_chromium()
         if exe is None:
             raise RuntimeError("chromium is not installed")
-        self._profile = tempfile.TemporaryDirectory()
+        self._profile = tempfile.mkdtemp(prefix="tinydraft-chromium-")
         self._proc = subprocess.Popen(
             [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--remote-debugging-port=0", f"--user-data-dir={self._profile.name}",
+             "--remote-debugging-port=0", f"--user-data-dir={self._profile}",
              f"--window-size={self.size[0]},{self.size[1]}", "--hide-scrollbars", self.url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)  # its own group: __exit__ ends its helpers too
         port = self._devtools_port()
         deadline = time.monotonic() + self.timeout
         while True:
@@ -98,12 +101,32 @@ class Page:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
-        self._proc.terminate()
+        self._signal(signal.SIGTERM)
         try:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-        self._profile.cleanup()
+            self._signal(signal.SIGKILL)
+            self._proc.wait(10)
+        # chromium's helpers (crashpad, zygote) may still write into the profile for a moment
+        # after the browser has exited: one CI run failed removing it ("Directory not empty")
+        for attempt in range(20):
+            try:
+                shutil.rmtree(self._profile)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if attempt == 19:
+                    raise
+                self._signal(signal.SIGKILL)
+                time.sleep(0.25)
+
+    def _signal(self, sig: int) -> None:
+        """Send `sig` to chromium and every helper it started (its process group)."""
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def _call(self, method: str, **params: object) -> dict:
         ident = next(self._ids)
