@@ -501,3 +501,49 @@ def test_a_file_whose_plain_round_is_stale_does_not_keep_a_process_drafting():
     _, _, ks = simulate(policy, lambda r: 0.35, lambda k: 1.0 + 0.5 * k, 200)
     assert 0 in policy.costs.here and policy.round_seconds[0] == pytest.approx(1.0)
     assert ks[-100:].count(0) >= 80, ks
+
+
+def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int,
+                       seed: int = 0) -> list[int]:
+    """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
+    after plain rounds first catches the draft up (priced 0.5 s, booked as its 16 positions'
+    predictions, each accepted with probability `alpha`), then chooses again, `caught_up`.
+    `cost(r, k)`: seconds of round r drafting k. Returns the k drafted per round."""
+    from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
+
+    rng = random.Random(seed)
+    policy.looks = True
+    ks = []
+    for r in range(rounds):
+        k, catch_up = policy.choose(1000), 0.0
+        if k > 0 and policy.behind > 0:
+            catch_up = 0.5
+            policy.observe([float(rng.random() < alpha) for _ in range(CATCH_UP_EVIDENCE)])
+            k = policy.choose(1000, caught_up=True)
+        n = 0
+        while n < k and rng.random() < alpha:
+            n += 1
+        policy.update(k, n, cost(r, k), catch_up=catch_up)
+        ks.append(k)
+    return ks
+
+
+def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
+    """A round drafting k costs 1 + k / 2 plain rounds and each position is accepted 0.7 of the
+    time: k = 1 pays (1.7 tokens for 1.5 rounds; k = 2: 2.19 for 2). For 10 rounds the machine
+    is busy and drafting rounds take twice as long: R(1), the median of its latest timings, is
+    then a busy one, and plain decoding wins on it. Plain rounds never re-time R(1), and a probe
+    that looks first judged drafting on the same stale cost, so the process stayed plain for
+    good (the last 550 rounds). A k not timed for STALE_ROUNDS rounds
+    is judged after a look on the lowest cost measured for it and timed afresh: the process
+    drafts again."""
+    policy = _near_break_even(0.0, 0.0, 0)
+    policy.costs.here.discard(1)  # k = 1 to be timed by the run
+
+    def cost(r: int, k: int) -> float:
+        busy = 40 <= r < 50
+        return 1.0 if k == 0 else (1.0 + k / 2) * (2.0 if busy else 1.0)
+
+    ks = looking_simulation(policy, 0.7, cost, 600)
+    assert ks[:40].count(1) >= 30 and ks[40:50].count(1) >= 3  # busy timings were booked
+    assert ks[-200:].count(1) >= 150, Counter(ks[-200:])

@@ -12,7 +12,11 @@ Both sides are measured online, not assumed:
   estimate follows the text; a position with little data borrows strength from the pooled rate
   (posterior mean under a prior of weight `prior_strength` centred on it).
 - R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median:
-  on a shared machine a round now and then takes 2-3x its usual time). R(0) is
+  on a shared machine a round now and then takes 2-3x its usual time); timings older than
+  `STALE_ROUNDS` rounds give way to k's next one, and a look (below) judges a k whose timings are
+  that old at the lowest R(k) / R(0) measured here, so that it is timed afresh where that would
+  pay (a busy moment's timings of R(1) at 2x otherwise kept a warm process plain for good: plain
+  rounds never re-time R(1), and each look judged drafting on the same stale cost). R(0) is
   the mean of a stretch of plain rounds without its first and last rounds, booked every
   `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
   first round of a stretch waits for two steps (its own and the one queued behind it) and the last
@@ -122,6 +126,7 @@ PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (hal
 FIRST_LOOK = 8  # plain rounds after which a generation's first stretch looks at its text
 HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
+STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh by a probe
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
 
@@ -140,6 +145,11 @@ class RoundCosts:
         self.switches = 0
         self.here: set[int] = set()  # k timed in this process (the others were loaded)
         self.recent: dict[int, deque[float]] = {}  # per drafting k its latest timings here
+        # per drafting k the lowest R(k) / R(0) measured here (at each booking: the median over
+        # the plain round then): the cost a probe hopes for (`DraftLengthPolicy.choose`)
+        self.best_ratio: dict[int, float] = {}
+        self.rounds = 0  # rounds booked in this process
+        self.last_timed: dict[int, int] = {}  # per k, `rounds` when it was last timed here
 
     def book_switch(self, behind: int, seconds: float) -> None:
         """A catch-up of `seconds` after `behind` plain rounds."""
@@ -329,6 +339,16 @@ class DraftLengthPolicy:
             if HORIZON * (1.0 / drawn_rate - 1.0 / plain_rate) < switch:
                 self.plain_seconds = 0.0
                 return pick
+        # just caught up, where a k's cost is stale (not timed for STALE_ROUNDS rounds): draft if
+        # it pays at the lowest cost measured for it, so that it is timed afresh. Timings taken
+        # in a busy moment (R(1) at 2x for 7 rounds running) otherwise kept a warm process plain
+        # for good: its probes look first, and each look judged drafting on the same stale cost
+        if caught_up and measured:
+            hoped = {k: self.expected_tokens(alphas, k) / self._hoped_cost(k) for k in measured}
+            pick = max(hoped, key=lambda k: (hoped[k], -k))
+            if hoped[pick] > plain_rate:
+                self.plain_seconds = 0.0
+                return pick
         # too little evidence yet to give up on speculation: each process times k = 1 itself
         # (a file's costs measured under another process's load, drafting at 3x a plain round,
         # kept every later process plain, and plain-only processes saved the stale costs again)
@@ -364,6 +384,14 @@ class DraftLengthPolicy:
             return best
         return 0
 
+    def _hoped_cost(self, k: int) -> float:
+        """R(k), or where it is stale (k not timed for STALE_ROUNDS rounds) the lowest R(k) /
+        R(0) measured here times R(0) now if that is lower."""
+        cost, ratio = self.round_cost(k), self.costs.best_ratio.get(k)
+        if ratio is None or self.costs.rounds - self.costs.last_timed[k] < STALE_ROUNDS:
+            return cost
+        return min(cost, ratio * self.round_seconds[0])
+
     def _drawn_best(self, ks: list[int]) -> tuple[int, float]:
         """The best of `ks` at a Thompson draw of the acceptance, and its tokens per second."""
         drawn = self._draw()
@@ -388,6 +416,7 @@ class DraftLengthPolicy:
         draft spent catching up on plain rounds before this one, not part of `seconds`: the
         price of a switch, which prices probes but not sustained drafting (round_seconds)."""
         self.chosen[k] += 1
+        self.costs.rounds += 1
         if catch_up > 0:
             self.look_due = False
             self.costs.book_switch(self.behind, catch_up)
@@ -493,10 +522,19 @@ class DraftLengthPolicy:
         self.timed[k] += rounds
         if k > 0:  # the median of the latest timings: a scheduler's hiccup (a round at 2-3x,
             # seen every few dozen rounds on a shared machine) must not decide, and R(1) was
-            # judged on its first two rounds, one of them at 1.4x the rest
-            recent = self.costs.recent.setdefault(k, deque(maxlen=RECENT))
+            # judged on its first two rounds, one of them at 1.4x the rest. Timings older than
+            # STALE_ROUNDS rounds describe another moment of the machine: the first timing since
+            # replaces them
+            costs = self.costs
+            recent = costs.recent.setdefault(k, deque(maxlen=RECENT))
+            if costs.rounds - costs.last_timed.get(k, costs.rounds) >= STALE_ROUNDS:
+                recent.clear()
+            costs.last_timed[k] = costs.rounds
             recent.append(seconds)
             self.round_seconds[k] = statistics.median(recent)
+            if self.round_seconds.get(0, 0.0) > 0:
+                ratio = self.round_seconds[k] / self.round_seconds[0]
+                costs.best_ratio[k] = min(costs.best_ratio.get(k, ratio), ratio)
             return
         # plain rounds (booked as a stretch's mean, many rounds each): a running mean at first,
         # then a moving average of weight `smoothing` per round
