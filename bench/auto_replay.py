@@ -19,7 +19,10 @@ lognormal (sigma 0.15) with 3% of rounds at 2-3x (what per-round traces show on 
 the same on a level that drifts (log speed an AR(1) of coefficient 0.97 a round, spread 0.2: bursts
 of other work lasting tens of rounds). Fixed k = 0..4 are replayed on the same noise draws (round i
 gets the i-th factor), so "auto / best fixed" compares like with like. The always-rejected case
-replays a text no draft token of which is accepted, with a prompt that says so. Left out: sampling
+replays a text no draft token of which is accepted, with a prompt that says so. Each text is
+replayed with a fresh policy (a new process, policy file off), and the texts one after another
+`--passes` times with one policy (a warm process, a server: the noise runs on across
+generations, so a burst during one can spoil the costs the next ones start from). Left out: sampling
 (acceptance is then a probability per token), plain rounds' uneven times within a stretch (the
 loop's pipelining: the policy books a stretch's middle rounds), the policy's own host time (~1% of
 a plain round here) and traced steps.
@@ -117,24 +120,35 @@ def round_time(round_seconds: dict[int, float], k: int) -> float:
     return round_seconds[top] + (round_seconds[top] - round_seconds[top - 1]) * (k - top)
 
 
+def new_policy(policy_module, seed: int):
+    """A fresh k="auto" policy (a new process, policy file off), driven as the loop drives it."""
+    policy = policy_module.DraftLengthPolicy()
+    policy.rng = random.Random(seed)
+    policy.looks = True
+    return policy
+
+
 def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: int | None,
-           seed: int) -> tuple[float, list[int]]:
-    """Tokens per second of one generation along `text`, at a fixed k or with a fresh policy
-    (k="auto" as the loop drives it, policy file off); the ks chosen."""
+           seed: int, policy=None, first_round: int = 0) -> tuple[float, list[int]]:
+    """Tokens per second of one generation along `text`, at a fixed k or with k="auto": a fresh
+    policy, or `policy` (a warm process's: what earlier generations learned); the ks chosen.
+    Round i of the generation takes the noise factor of round `first_round` + i."""
     matches = text["matches"]
     n_tokens = len(matches)
-    policy = None
     if fixed is None:
-        policy = policy_module.DraftLengthPolicy()
-        policy.rng = random.Random(seed)
-        policy.looks = True
+        if policy is None:
+            policy = new_policy(policy_module, seed)
+        # a generation's start, as `shared_policy` sets it
+        policy.plain_seconds, policy.behind = 0.0, 0
         if hasattr(policy, "look_due"):
             policy.look_due = True
         policy.observe_first(text["prompt_evidence"])
+    else:
+        policy = None
     i, seconds, ks = 0, 0.0, []
     while i < n_tokens:
         limit = n_tokens - i - 1
-        factor = noise[len(ks) % len(noise)]
+        factor = noise[(first_round + len(ks)) % len(noise)]
         catch_up = 0.0
         if policy is None:
             k = min(fixed, limit)
@@ -161,7 +175,23 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
         seconds += round_seconds + catch_up
         i += accepted + 1
         ks.append(k)
+    if policy is not None and hasattr(policy, "end_stretch"):
+        policy.end_stretch()  # as `save_policy` does after a generation
     return n_tokens / seconds, ks
+
+
+def replay_warm(policy_module, texts: list[dict], costs: dict, noise: list[float],
+                fixed: int | None, seed: int) -> tuple[float, list[int]]:
+    """Tokens per second over `texts` generated one after another by one process (a server):
+    with k="auto" one policy learns across them; the noise runs on from one to the next."""
+    policy = new_policy(policy_module, seed) if fixed is None else None
+    tokens, seconds, ks = 0, 0.0, []
+    for text in texts:
+        rate, chosen = replay(policy_module, text, costs, noise, fixed, seed, policy, len(ks))
+        tokens += len(text["matches"])
+        seconds += len(text["matches"]) / rate
+        ks += chosen
+    return tokens / seconds, ks
 
 
 def load_policy(path: str | None):
@@ -179,7 +209,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--seeds", type=int, default=200)
+    ap.add_argument("--seeds", type=int, default=200, help="noise draws per text (a warm "
+                    "process: a quarter as many)")
+    ap.add_argument("--passes", type=int, default=5,
+                    help="a warm process generates the texts one after another this many times")
     ap.add_argument("--policy", help="a policy module's file (default: this checkout's)")
     ap.add_argument("--name", default="auto_replay")
     ap.add_argument("--costs-from", help="a results JSON of this script whose measured costs to "
@@ -199,17 +232,30 @@ def main() -> None:
     print("R(k) ms:", {k: round(v * 1e3, 2) for k, v in costs["round_seconds"].items()},
           f"catch-up ms: {costs['catch_up_fixed'] * 1e3:.2f} + "
           f"{costs['catch_up_per_token'] * 1e3:.3f} / token", flush=True)
+    # a warm process (a server): the recorded texts one after another, PASSES times, one policy
+    session = texts[:-1] * args.passes
+    warm = {"prompt": f"warm: {len(texts) - 1} texts x {args.passes}",
+            "matches": [m for t in session for m in t["matches"]],
+            "prompt_evidence": [e for t in session for e in t["prompt_evidence"]]}
     cells = []
-    for text in texts:
+    for text in [*texts, warm]:
         for kind in NOISES:
             rates: dict[str, list[float]] = {f"k={k}": [] for k in FIXED}
             rates["auto"] = []
             chosen: dict[int, int] = {}
-            for seed in range(args.seeds):
-                noise = noise_factors(kind, seed, 4 * args.tokens)
+            seeds = args.seeds if text is not warm else max(1, args.seeds // 4)
+            for seed in range(seeds):
+                rounds = 4 * len(text["matches"])
+                noise = noise_factors(kind, seed, rounds)
+
+                def run(k: int | None) -> tuple[float, list[int]]:
+                    if text is warm:
+                        return replay_warm(policy_module, session, costs, noise, k, seed)
+                    return replay(policy_module, text, costs, noise, k, seed)
+
                 for k in FIXED:
-                    rates[f"k={k}"].append(replay(policy_module, text, costs, noise, k, seed)[0])
-                rate, ks = replay(policy_module, text, costs, noise, None, seed)
+                    rates[f"k={k}"].append(run(k)[0])
+                rate, ks = run(None)
                 rates["auto"].append(rate)
                 for k in ks:
                     chosen[k] = chosen.get(k, 0) + 1
@@ -217,7 +263,7 @@ def main() -> None:
             best = max((n for n in mean if n != "auto" and n != "k=0"), key=mean.get)
             per_seed = [a / max(rates[best][s], rates["k=0"][s])
                         for s, a in enumerate(rates["auto"])]
-            cell = {"prompt": text["prompt"], "noise": kind,
+            cell = {"prompt": text["prompt"], "noise": kind, "seeds": seeds,
                     "acceptance": statistics.mean(text["matches"]),
                     "prompt_acceptance": statistics.mean(text["prompt_evidence"]),
                     "vs_plain": {n: v / mean["k=0"] for n, v in mean.items()},
@@ -258,8 +304,8 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xticklabels([p[:22] for p in prompts], fontsize=8)
     ax.set_ylim(0.6, 1.1)
     ax.set_ylabel("auto / max(best fixed k, plain), tokens/s")
-    ax.set_title("k='auto' replayed on recorded demo-pair texts (greedy, fresh policy, "
-                 f"{report['settings']['seeds']} noise draws)", fontsize=10)
+    ax.set_title("k='auto' replayed on recorded demo-pair texts (greedy, a fresh policy per text, "
+                 f"{report['settings']['seeds']} noise draws; right: a warm process)", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

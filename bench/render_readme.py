@@ -528,7 +528,9 @@ def auto_replay(r: dict) -> list[str]:
     lines = [
         "**k=\"auto\" replayed on recorded texts** (`python bench/auto_replay.py`; demo pair, "
         f"{s['dtype']}, greedy, {s['prompts']} prompts x {s['tokens']} tokens and a text whose "
-        f"drafts are always rejected, a fresh policy, {s['seeds']} noise draws; costs measured "
+        f"drafts are always rejected, a fresh policy, {s['seeds']} noise draws; and a warm "
+        f"process generating the {s['prompts']} texts one after another {s.get('passes', 5)} "
+        f"times with one policy, {max(1, s['seeds'] // 4)} draws; costs measured "
         f"here: {rounds} ms, catch-up {costs['catch_up_fixed'] * 1e3:.2f} ms + "
         f"{costs['catch_up_per_token'] * 1e3:.3f} ms a token; [json](results/auto_replay.json), "
         "[plot](results/auto_replay.png)): the policy's own loss, without noise, with this "
