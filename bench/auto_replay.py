@@ -183,7 +183,8 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
 def replay_warm(policy_module, texts: list[dict], costs: dict, noise: list[float],
                 fixed: int | None, seed: int) -> tuple[float, list[int]]:
     """Tokens per second over `texts` generated one after another by one process (a server):
-    with k="auto" one policy learns across them; the noise runs on from one to the next."""
+    with k="auto" one policy learns across them (a fresh one for one text); the noise runs on
+    from one to the next."""
     policy = new_policy(policy_module, seed) if fixed is None else None
     tokens, seconds, ks = 0, 0.0, []
     for text in texts:
@@ -247,15 +248,11 @@ def main() -> None:
             for seed in range(seeds):
                 rounds = 4 * len(text["matches"])
                 noise = noise_factors(kind, seed, rounds)
-
-                def run(k: int | None) -> tuple[float, list[int]]:
-                    if text is warm:
-                        return replay_warm(policy_module, session, costs, noise, k, seed)
-                    return replay(policy_module, text, costs, noise, k, seed)
-
+                texts_run = session if text is warm else [text]
                 for k in FIXED:
-                    rates[f"k={k}"].append(run(k)[0])
-                rate, ks = run(None)
+                    rates[f"k={k}"].append(
+                        replay_warm(policy_module, texts_run, costs, noise, k, seed)[0])
+                rate, ks = replay_warm(policy_module, texts_run, costs, noise, None, seed)
                 rates["auto"].append(rate)
                 for k in ks:
                     chosen[k] = chosen.get(k, 0) + 1
