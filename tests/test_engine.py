@@ -207,6 +207,34 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
     assert not any(policy.catch_ups[:5])  # plain rounds catch nothing up
 
 
+def test_auto_books_a_looks_evidence_with_the_catch_up_not_the_round(pair, monkeypatch):
+    """Where the loop looks before it leaps, the catch-up's evidence (the draft's head on its
+    last rows and, sampled, the warps of both sides) is part of the look's price: booked as the
+    round's own time it made a k = 1 round after a look 2.4x a plain round at T = 0.7 where one
+    costs 1.6x, and kept a warm process plain. A slowed evidence shows in the catch-up only."""
+    import time
+
+    import tinydraft_mlx.engine.speculative as spec
+
+    class Looking(_Recording):
+        LOOKS = True
+
+    target, draft, tok = pair
+    policy = Looking()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    real = spec._catch_up_evidence
+
+    def slow_evidence(g, rows):
+        time.sleep(0.2)
+        return real(g, rows)
+
+    monkeypatch.setattr(spec, "_catch_up_evidence", slow_evidence)
+    list(stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20))
+    assert [k for k, _ in policy.updates[:6]] == [0, 0, 0, 0, 0, 2]
+    assert policy.catch_ups[5] >= 0.2, policy.catch_ups
+    assert policy.updates[5][1] < 0.2, policy.updates
+
+
 @pytest.mark.parametrize("schedule", [[0], [0, 0, 0, 3], [3, 0, 0, 0, 0, 0, 1]])
 def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, schedule):
     """k="auto" runs the plain rounds it picks as pipelined stretches that end when it picks a
