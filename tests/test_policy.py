@@ -463,11 +463,14 @@ def test_a_generations_first_plain_stretch_looks_once():
     """Where the loop looks before it leaps, a generation's first plain stretch looks at its
     text after FIRST_LOOK rounds (the first tokens after a prompt are often the hardest: three
     rejected k = 1 rounds there kept fresh processes plain for 30-60 rounds where k = 1 pays
-    throughout), once: a look that books a catch-up ends it. Without looks, no such probe."""
+    throughout), once: a look that books a catch-up ends it. Without looks, no such probe; nor
+    where strong evidence (40 observations, a warm process's) says the draft is rarely right
+    (until it has faded), while thin evidence to the same effect (8) still looks."""
     from tinydraft_mlx.engine.policy import FIRST_LOOK
 
-    def rounds_to_look(looks: bool, due: bool = True) -> int:
-        policy = _near_break_even(0.5, 39.5, 0)  # no Thompson draw acts within 100 rounds
+    def rounds_to_look(accepted: float, rejected: float, looks: bool = True,
+                       due: bool = True) -> int:
+        policy = _near_break_even(accepted, rejected, 0)  # no Thompson draw acts in 100 rounds
         policy.looks, policy.look_due = looks, due
         policy.update(0, 0, 1.0)  # behind: 1
         for _ in range(1, 100):
@@ -477,8 +480,13 @@ def test_a_generations_first_plain_stretch_looks_once():
             policy.update(0, 0, 1.0)
         return 100
 
-    assert rounds_to_look(True) == FIRST_LOOK
-    assert rounds_to_look(False) == 100 and rounds_to_look(True, due=False) == 100
+    promising_but_losing = (35.0, 65.0)  # acceptance 0.35 where 0.5 breaks even
+    assert rounds_to_look(*promising_but_losing) == FIRST_LOOK
+    assert rounds_to_look(*promising_but_losing, looks=False) == 100
+    assert rounds_to_look(*promising_but_losing, due=False) == 100
+    assert rounds_to_look(0.0, 8.0) == FIRST_LOOK  # thin evidence against: it looks
+    # strong evidence against: no look until it has faded (PLAIN_DECAY per round) below 16
+    assert rounds_to_look(0.5, 39.5) > 80
     policy = _near_break_even(0.5, 9.5, FIRST_LOOK)
     policy.looks, policy.look_due = True, True
     assert policy.choose(4) > 0

@@ -63,10 +63,12 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   round) is not missed however much evidence there is. The loss counts the draft's catch-up on
   the plain rounds it missed: a prefill of those tokens, fitted as a fixed part plus a part per
   token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
-  underrated long stretches' probes by 2x).
+  underrated long stretches' probes by 2x); a look's price includes its evidence (the draft's
+  head on its last rows, sampled: the warps of both sides).
 And a generation's first stretch of plain rounds looks at its text once, after `FIRST_LOOK`
 rounds (where the loop looks first: a catch-up of a few tokens), so that the text being written,
-not its prompt or first tokens, decides whether it is drafted.
+not its prompt or first tokens, decides whether it is drafted; not where much evidence (a warm
+process's) already says the draft is rarely right.
 
 The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
 after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
@@ -355,8 +357,11 @@ class DraftLengthPolicy:
         untried = [k for k in EXPLORE_KS if k <= limit and self._timed_here(k) < EXPLORE_TIMES]
         if untried and promising:
             return untried[0]
-        # a generation's first plain stretch looks at its text once (module docstring)
-        if self.look_due and self.looks and self.behind >= FIRST_LOOK:
+        # a generation's first plain stretch looks at its text once (module docstring), unless
+        # strong evidence (two catch-ups' worth, as a warm process has) says the draft is rarely
+        # right: there the look cost ~2.5% of a 64-token generation and found nothing
+        thin = self.accepted[0] + self.rejected[0] < 2 * CATCH_UP_WEIGHT
+        if self.look_due and self.looks and self.behind >= FIRST_LOOK and (promising or thin):
             self.look_due = False
             self.plain_seconds = 0.0
             return best
