@@ -525,12 +525,13 @@ def auto_replay(r: dict) -> list[str]:
     costs = s["costs"]
     rounds = ", ".join(f"R({k}) {v * 1e3:.2f}" for k, v in costs["round_seconds"].items())
     before = _load("auto_replay_old")
+    warm = next(c for c in r["cells"] if c["prompt"].startswith("warm"))
     lines = [
         "**k=\"auto\" replayed on recorded texts** (`python bench/auto_replay.py`; demo pair, "
         f"{s['dtype']}, greedy, {s['prompts']} prompts x {s['tokens']} tokens and a text whose "
         f"drafts are always rejected, a fresh policy, {s['seeds']} noise draws; and a warm "
-        f"process generating the {s['prompts']} texts one after another {s.get('passes', 5)} "
-        f"times with one policy, {max(1, s['seeds'] // 4)} draws; costs measured "
+        f"process generating the {s['prompts']} texts one after another {s['passes']} "
+        f"times with one policy, {warm['seeds']} draws; costs measured "
         f"here: {rounds} ms, catch-up {costs['catch_up_fixed'] * 1e3:.2f} ms + "
         f"{costs['catch_up_per_token'] * 1e3:.3f} ms a token; [json](results/auto_replay.json), "
         "[plot](results/auto_replay.png)): the policy's own loss, without noise, with this "

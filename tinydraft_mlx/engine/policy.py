@@ -153,6 +153,11 @@ class RoundCosts:
         self.rounds = 0  # rounds booked in this process
         self.last_timed: dict[int, int] = {}  # per k, `rounds` when it was last timed here
 
+    def stale(self, k: int) -> bool:
+        """Whether k's timings here are older than STALE_ROUNDS rounds (never timed: not
+        stale)."""
+        return k in self.last_timed and self.rounds - self.last_timed[k] >= STALE_ROUNDS
+
     def book_switch(self, behind: int, seconds: float) -> None:
         """A catch-up of `seconds` after `behind` plain rounds."""
         w, b, c, bb, bc = (x * SWITCH_DECAY for x in self.switch_fit)
@@ -393,7 +398,7 @@ class DraftLengthPolicy:
         """R(k), or where it is stale (k not timed for STALE_ROUNDS rounds) the lowest R(k) /
         R(0) measured here times R(0) now if that is lower."""
         cost, ratio = self.round_cost(k), self.costs.best_ratio.get(k)
-        if ratio is None or self.costs.rounds - self.costs.last_timed[k] < STALE_ROUNDS:
+        if ratio is None or not self.costs.stale(k):
             return cost
         return min(cost, ratio * self.round_seconds[0])
 
@@ -532,7 +537,7 @@ class DraftLengthPolicy:
             # replaces them
             costs = self.costs
             recent = costs.recent.setdefault(k, deque(maxlen=RECENT))
-            if costs.rounds - costs.last_timed.get(k, costs.rounds) >= STALE_ROUNDS:
+            if costs.stale(k):
                 recent.clear()
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
