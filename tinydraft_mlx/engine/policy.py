@@ -52,12 +52,21 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   bet (on the means alone, three rejected first rounds kept fresh processes plain for 30-60
   rounds of a text where k = 1 paid throughout; the first tokens after a prompt are often the
   hardest). On strong evidence the draws sit at the means, and drafting that loses stops.
-- Thompson sampling: each position's acceptance is drawn from its posterior (uniform prior); if
-  drafting (a k whose cost has been measured) would beat plain decoding at the drawn values by
-  enough to repay within `HORIZON` tokens the catch-up (and, where the loop does not look first,
-  the round's expected loss), the best k there is tried. Where the evidence is thin (a new pair
-  whose first drafts were rejected: the first tokens after a prompt are often the hardest) that
-  happens now and then; with much evidence against, almost never.
+- where the loop looks before it leaps (below), a look once it is worth its catch-up: the
+  expected saving of drafting over plain decoding where drafting saves anything, over the first
+  position's posterior, times the tokens a finding holds for (`LOOK_HORIZON`, or the rest of the
+  generation) (`_look_value`). It is small where the evidence is strong either way and grows as
+  plain rounds fade the evidence (`PLAIN_DECAY`), so near break-even on thin evidence a look comes
+  soon, on much evidence against rarely. A Thompson draw every round did this before: it made a
+  look whenever one draw came out high, 47 looks in 20 warm generations of 128 tokens where
+  nothing paid (~2% of the time; replayed by bench/auto_replay.py).
+- where the loop does not look first (a probe is a whole drafting round), Thompson sampling:
+  each position's acceptance is drawn from its posterior (uniform prior); if drafting (a k whose
+  cost has been measured) would beat plain decoding at the drawn values by enough to repay within
+  `HORIZON` tokens the catch-up and the round's expected loss, the best k there is tried. Where
+  the evidence is thin (a new pair whose first drafts were rejected: the first tokens after a
+  prompt are often the hardest) that happens now and then; with much evidence against, almost
+  never.
 - a probe once its expected loss fits in `probe_budget` (2%) of the time spent in plain rounds
   since the last probe, so that a later easy stretch (or a cost estimate spoiled by a noisy
   round) is not missed however much evidence there is. The loss counts the draft's catch-up on
@@ -65,10 +74,12 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
   underrated long stretches' probes by 2x); a look's price includes its evidence (the draft's
   head on its last rows, sampled: the warps of both sides).
-And a generation's first stretch of plain rounds looks at its text once, after `FIRST_LOOK`
-rounds (where the loop looks first: a catch-up of a few tokens), so that the text being written,
-not its prompt or first tokens, decides whether it is drafted; not where much evidence (a warm
-process's) already says the draft is rarely right.
+And where the loop looks first, a generation's first stretch of plain rounds looks at its text
+once, after `FIRST_LOOK` rounds (a catch-up of a few tokens), whatever the evidence says while the
+policy has not looked at a generated text yet (`seen_text`: a fresh process's evidence is the
+prompt's and the first tokens', often the hardest), so that the text being written decides
+whether it is drafted; a policy that has (a warm process's) looks only where a look is worth it,
+as above.
 
 The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
 after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
@@ -100,6 +111,7 @@ under another process's load.
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -127,10 +139,14 @@ RECENT = 7  # a drafting k's cost R(k): the median of its last RECENT timings in
 PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
 FIRST_LOOK = 8  # plain rounds after which a generation's first stretch looks at its text
 HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
+LOOK_HORIZON = 64  # tokens (at most: the rest of the generation) a look's finding holds for
+LOOK_POINTS = 24  # grid over the first position's acceptance a look's value is integrated on
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh by a probe
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
+_GRID = [(i + 0.5) / LOOK_POINTS for i in range(LOOK_POINTS)]
+_LOG_GRID = [(math.log(x), math.log1p(-x)) for x in _GRID]
 
 
 class RoundCosts:
@@ -232,6 +248,7 @@ class DraftLengthPolicy:
         self.looks = False
         self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
+        self.seen_text = False  # a catch-up's evidence (of generated text) has been booked
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -307,6 +324,7 @@ class DraftLengthPolicy:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
         `caught_up`: the draft has just caught up on the plain rounds it missed (a look), so it
         is in step with the target as after a drafting round."""
+        remaining = limit  # tokens the generation may still emit after this one
         limit = max(0, min(limit, self.k_max))
         if limit == 0:
             return 0
@@ -362,24 +380,35 @@ class DraftLengthPolicy:
         untried = [k for k in EXPLORE_KS if k <= limit and self._timed_here(k) < EXPLORE_TIMES]
         if untried and promising:
             return untried[0]
-        # a generation's first plain stretch looks at its text once (module docstring), unless
-        # strong evidence (two catch-ups' worth, as a warm process has) says the draft is rarely
-        # right: there the look cost ~2.5% of a 64-token generation and found nothing
-        thin = self.accepted[0] + self.rejected[0] < 2 * CATCH_UP_WEIGHT
-        if self.look_due and self.looks and self.behind >= FIRST_LOOK and (promising or thin):
+        # where the loop looks before it leaps, a look is worth its catch-up when what it may find
+        # is: `_look_value`. A generation's first plain stretch looks at its text once (module
+        # docstring) whatever that says while this policy has not looked at a text yet (its
+        # evidence is the prompt's and the first tokens', often the hardest); afterwards (a warm
+        # process) only where the look is worth it: warm processes whose draft is rarely right
+        # looked once a generation and found nothing (~2.5% of a 64-token generation)
+        worth_a_look = bool(measured) and self.looks and self.behind > 2 and self._look_value(
+            measured, alphas, plain_rate, remaining) > switch
+        if self.look_due and self.looks and self.behind >= FIRST_LOOK and (
+                worth_a_look or not self.seen_text):
             self.look_due = False
             self.plain_seconds = 0.0
             return best
-        # Thompson sampling (module docstring), over the k up to the largest timed one (the
-        # extrapolated cost of an unmeasured k is optimistic: where looks kept finding the draft
-        # hopeless, R(1) was never measured and a draw of 0.2 looked worth a catch-up): a draw acts
-        # when drafting the next HORIZON tokens at its rate would save more than the catch-up costs
-        # (priced as a plain round until one is measured) plus, where the loop does not look first,
-        # the round's own expected loss. Not "when this round alone pays, catch-up included": on the
-        # demo pair that asked for a drawn acceptance > 0.94 and never happened; nor "when the drawn
-        # rate beats plain": each draw that favoured drafting by a hair bought a catch-up, every
-        # third round on the demo pair.
-        if measured:
+        if worth_a_look:
+            self.plain_seconds = 0.0
+            return max(measured, key=lambda k: (rates[k], -k))
+        # Thompson sampling (module docstring) where the loop does not look first (a probe is then
+        # a whole drafting round), over the k up to the largest timed one (the extrapolated cost
+        # of an unmeasured k is optimistic: where looks kept finding the draft hopeless, R(1) was
+        # never measured and a draw of 0.2 looked worth a catch-up): a draw acts when drafting the
+        # next HORIZON tokens at its rate would save more than the catch-up costs (priced as a
+        # plain round until one is measured) plus the round's own expected loss. Not "when this
+        # round alone pays, catch-up included": on the demo pair that asked for a drawn acceptance
+        # > 0.94 and never happened; nor "when the drawn rate beats plain": each draw that
+        # favoured drafting by a hair bought a catch-up, every third round on the demo pair.
+        # Where the loop looks first, a look's value above decides instead: a draw a round made
+        # near break-even a look every few rounds (47 looks in 20 generations of 128 tokens,
+        # ~2% of a warm process's time where nothing paid; replayed: bench/auto_replay.py)
+        if measured and not (self.looks and self.behind > 2):
             pick, drawn_rate = self._drawn_best(measured)
             if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rate) > self._probe_loss(
                     pick, alphas, switch):
@@ -393,6 +422,35 @@ class DraftLengthPolicy:
             self.plain_seconds = 0.0
             return best
         return 0
+
+    def _look_value(self, ks: list[int], alphas: list[float], plain_rate: float,
+                    remaining: int) -> float:
+        """Seconds a look is expected to save: the expected saving per token of drafting the best
+        of `ks` over plain decoding, where it saves anything, over the first position's
+        posterior Beta(1 + accepted, 1 + rejected) (integrated on a grid of LOOK_POINTS; the later
+        positions at their means), times the tokens a finding holds for (LOOK_HORIZON, or the rest
+        of the generation). A look acts on what it finds: drafting where the text now pays, plain
+        where it does not, so only the first case is worth anything. Unlike a Thompson draw each
+        round (a look whenever one draw came out high), this grows slowly as plain rounds fade the
+        evidence (PLAIN_DECAY), and stays small where the evidence is strong either way."""
+        # per k: E(k) at first-position acceptance x is 1 + x * tail[k]; its seconds cost[k]
+        tail, costs = {}, {}
+        for k in ks:
+            tail[k] = self.expected_tokens(alphas[1:], k - 1)
+            costs[k] = self.round_cost(k)
+        a, r = self.accepted[0], self.rejected[0]
+        logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
+        top = max(logs)
+        plain = 1.0 / plain_rate
+        total = saving = 0.0
+        for x, log_weight in zip(_GRID, logs):
+            weight = math.exp(log_weight - top)
+            total += weight
+            if weight > 1e-6:
+                gain = plain - min(costs[k] / (1.0 + x * tail[k]) for k in ks)
+                if gain > 0:
+                    saving += weight * gain
+        return min(remaining, LOOK_HORIZON) * saving / total
 
     def _hoped_cost(self, k: int) -> float:
         """R(k), or where it is stale (k not timed for STALE_ROUNDS rounds) the lowest R(k) /
@@ -472,6 +530,7 @@ class DraftLengthPolicy:
         along the text the target produced (the product of the probabilities), a position past
         the catch-up being unobserved. The runs overlap, so the catch-up counts as at most
         CATCH_UP_WEIGHT rounds' evidence."""
+        self.seen_text = True
         n = len(evidence)
         accepted, reached = [0.0] * self.k_max, [0.0] * self.k_max
         for t in range(n):
