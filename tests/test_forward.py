@@ -143,10 +143,10 @@ def test_policy_prices_probes_with_the_switch_cost_not_sustained_drafting():
     for _ in range(23):
         policy.update(0, 0, 1.0)
     policy.plain_seconds = 100.0  # budget 2%: 2 s of probing loss allowed
-    assert policy.choose(4) == 0  # loss 2 + 2.5 - E(1) > 2: no probe yet
+    assert policy.choose(100) == 0  # loss 2 + 2.5 - E(1) > 2: no probe yet
     policy.costs.switch_fit = [0.0] * 5
     policy.plain_seconds = 100.0
-    assert policy.choose(4) == 1  # loss 2 + 0 - E(1) <= 2: probe
+    assert policy.choose(100) == 1  # loss 2 + 0 - E(1) <= 2: probe (100 tokens to go)
 
 
 def test_policy_books_acceptance_but_not_the_time_of_an_untimed_round():

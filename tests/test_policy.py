@@ -296,12 +296,30 @@ def test_a_probe_that_looks_first_is_priced_at_its_catch_up_only():
         policy.rejected[0] = 60.0  # hopeless: no Thompson probe, only the budget's
         policy.costs.book_switch(10, 0.2)
         for rounds in range(1, 1000):
-            if policy.choose(4) > 0:
+            if policy.choose(100) > 0:
                 return rounds
             policy.update(0, 0, 1.0)
         return 1000
 
     assert first_probe(True) < 30 < first_probe(False)
+
+
+def test_no_budgeted_probe_in_a_generations_last_tokens():
+    """A budgeted probe's finding pays over the tokens after it: with fewer than HORIZON left it
+    is not taken however much plain time has earned it (warm, alpha 0 on the demo pair: a probe
+    after ~60 of 64 plain rounds cost 4% of the generation for nothing it could use)."""
+    from tinydraft_mlx.engine.policy import HORIZON
+
+    policy = DraftLengthPolicy(4)
+    policy.looks = True
+    policy.round_seconds.update({0: 1.0, 1: 3.0})
+    policy.timed.update({0: 5, 1: 5})
+    policy.costs.here.update({0, 1})
+    policy.rejected[0] = 60.0  # hopeless: no look is worth it, only the budget probes
+    policy.costs.book_switch(10, 0.2)
+    policy.behind, policy.plain_seconds = 20, 100.0  # the budget has earned a probe
+    assert policy.choose(HORIZON - 1) == 0
+    assert policy.choose(HORIZON) > 0
 
 
 def test_a_round_accepted_whole_books_the_position_after_it():
@@ -469,17 +487,17 @@ def test_a_generations_first_plain_stretch_looks_once():
     process) looks at a new generation's text only where a look is worth its catch-up
     (`_look_value`): not where much evidence says the draft is rarely right, nor where it says
     drafting loses by a clear margin (warm processes looked once a generation there and found
-    nothing)."""
-    from tinydraft_mlx.engine.policy import FIRST_LOOK
+    nothing); and none in a generation's last HORIZON tokens."""
+    from tinydraft_mlx.engine.policy import FIRST_LOOK, HORIZON
 
     def rounds_to_look(accepted: float, rejected: float, looks: bool = True,
-                       due: bool = True, seen: bool = False) -> int:
+                       due: bool = True, seen: bool = False, tokens: int = 200) -> int:
         policy = _near_break_even(accepted, rejected, 0)  # no Thompson draw acts in 100 rounds
         policy.looks, policy.look_due, policy.seen_text = looks, due, seen
         policy.update(0, 0, 1.0)  # behind: 1
         for _ in range(1, 100):
             policy.plain_seconds = 0.0  # no probe budget: the look alone
-            if policy.choose(4) > 0:
+            if policy.choose(tokens - policy.behind) > 0:
                 return policy.behind
             policy.update(0, 0, 1.0)
         return 100
@@ -492,9 +510,12 @@ def test_a_generations_first_plain_stretch_looks_once():
     assert rounds_to_look(0.5, 39.5) == FIRST_LOOK  # strong: a fresh policy looks all the same
     assert rounds_to_look(*promising_but_losing, seen=True) == 100  # a warm one does not
     assert rounds_to_look(0.5, 39.5, seen=True) == 100
+    # nor where what it finds has no tokens left to pay over: the generation's last HORIZON
+    assert rounds_to_look(*promising_but_losing, tokens=FIRST_LOOK + HORIZON) == FIRST_LOOK
+    assert rounds_to_look(*promising_but_losing, tokens=FIRST_LOOK + HORIZON - 1) == 100
     policy = _near_break_even(0.5, 9.5, FIRST_LOOK)
     policy.looks, policy.look_due = True, True
-    assert policy.choose(4) > 0
+    assert policy.choose(100) > 0
     policy.update(0, 0, 1.0, catch_up=0.5)  # the look found plain decoding better
     assert not policy.look_due
     policy.observe([0.0] * 16)  # what it booked: generated text

@@ -388,7 +388,11 @@ class DraftLengthPolicy:
         # looked once a generation and found nothing (~2.5% of a 64-token generation)
         worth_a_look = bool(measured) and self.looks and self.behind > 2 and self._look_value(
             measured, alphas, plain_rate, remaining) > switch
-        if self.look_due and self.looks and self.behind >= FIRST_LOOK and (
+        # what the first look or a budgeted probe finds pays over the tokens after it: none in a
+        # generation's last HORIZON tokens (warm, alpha 0: a probe after ~60 of 64 plain rounds
+        # cost 6.5 ms, 4% of the generation, and could have gained at most a few tokens)
+        room = remaining >= HORIZON
+        if self.look_due and self.looks and self.behind >= FIRST_LOOK and room and (
                 worth_a_look or not self.seen_text):
             self.look_due = False
             self.plain_seconds = 0.0
@@ -418,7 +422,8 @@ class DraftLengthPolicy:
         # last probe have earned it: its expected loss must fit in `probe_budget` of that time,
         # so probing costs at most ~probe_budget of the decode time, a hopeless k is probed
         # rarely and a cheap probe often (`_probe_loss`).
-        if self.plain_seconds * self.probe_budget >= self._probe_loss(best, alphas, switch):
+        if room and self.plain_seconds * self.probe_budget >= self._probe_loss(best, alphas,
+                                                                                 switch):
             self.plain_seconds = 0.0
             return best
         return 0
@@ -433,21 +438,24 @@ class DraftLengthPolicy:
         where it does not, so only the first case is worth anything. Unlike a Thompson draw each
         round (a look whenever one draw came out high), this grows slowly as plain rounds fade the
         evidence (PLAIN_DECAY), and stays small where the evidence is strong either way."""
-        # per k: E(k) at first-position acceptance x is 1 + x * tail[k]; its seconds cost[k]
-        tail, costs = {}, {}
+        # per k: E(k) at first-position acceptance x is 1 + x * tail[k], and drafting k saves
+        # time per token where x > its break-even (R(k) / R(0) - 1) / tail[k]
+        plain = 1.0 / plain_rate
+        options = []
         for k in ks:
-            tail[k] = self.expected_tokens(alphas[1:], k - 1)
-            costs[k] = self.round_cost(k)
+            tail = self.expected_tokens(alphas[1:], k - 1)
+            cost = self.round_cost(k)
+            options.append((cost, tail, (cost / plain - 1.0) / tail))
+        lowest = min(even for _, _, even in options)
         a, r = self.accepted[0], self.rejected[0]
         logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
         top = max(logs)
-        plain = 1.0 / plain_rate
         total = saving = 0.0
         for x, log_weight in zip(_GRID, logs):
             weight = math.exp(log_weight - top)
             total += weight
-            if weight > 1e-6:
-                gain = plain - min(costs[k] / (1.0 + x * tail[k]) for k in ks)
+            if x > lowest and weight > 1e-6:  # (below every break-even nothing is saved)
+                gain = plain - min(cost / (1.0 + x * tail) for cost, tail, _ in options)
                 if gain > 0:
                     saving += weight * gain
         return min(remaining, LOOK_HORIZON) * saving / total
