@@ -558,6 +558,14 @@ def test_a_look_is_worth_what_it_may_find():
     assert policy._look_value([1], alphas, 1.0, 20) < policy._look_value([1], alphas, 1.0, 500)
     policy.accepted[0], policy.rejected[0] = 0.0, 60.0  # hopeless on much evidence: worthless
     assert policy._look_value([1, 2], alphas, 1.0, 500) < 1e-6
+    # against a threshold it may return a bound instead (Cantelli's): never one that changes
+    # whether the look is worth its price
+    for a, r in ((0.0, 60.0), (2.0, 20.0), (3.0, 5.0), (10.0, 10.0), (1.0, 40.0)):
+        policy.accepted[0], policy.rejected[0] = a, r
+        value = policy._look_value([1, 2], alphas, 1.0, 500)
+        for price in (1e-4, 0.01, 0.1, 0.5, 1.0, 3.0):
+            bounded = policy._look_value([1, 2], alphas, 1.0, 500, price)
+            assert bounded >= value - 1e-12 and (bounded > price) == (value > price), (a, r)
 
 
 def test_a_warm_process_near_break_even_does_not_look_every_few_rounds():

@@ -249,6 +249,7 @@ class DraftLengthPolicy:
         self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
         self.seen_text = False  # a catch-up's evidence (of generated text) has been booked
+        self._memo: dict[int, float] | None = None  # round costs within one `choose`
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -258,7 +259,18 @@ class DraftLengthPolicy:
         another process's load (a file written on a busy machine had R(2) at 1.7x R(1) where it
         is 1.4x, so k = 2 was never tried again), and the estimate below is optimistic, so such a
         k gets timed here once and is then judged on its own cost."""
-        known = self._costs_in_use()
+        memo = self._memo  # within one `choose`: the costs do not change, each k is computed once
+        if memo is None:
+            return self._round_cost(k, self._costs_in_use())
+        cost = memo.get(k)
+        if cost is None:
+            known = memo.get(-1)
+            if known is None:
+                known = memo[-1] = self._costs_in_use()  # type: ignore[assignment]
+            cost = memo[k] = self._round_cost(k, known)  # type: ignore[arg-type]
+        return cost
+
+    def _round_cost(self, k: int, known: dict[int, float]) -> float:
         if k in known:
             return known[k]
         ks = sorted(known)
@@ -324,6 +336,14 @@ class DraftLengthPolicy:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
         `caught_up`: the draft has just caught up on the plain rounds it missed (a look), so it
         is in step with the target as after a drafting round."""
+        self._memo = {}  # (called every round, its time overlapping the queued step's: at 34 us
+        # with every cost recomputed per use it cost sampled plain rounds ~3%)
+        try:
+            return self._choose(limit, caught_up)
+        finally:
+            self._memo = None
+
+    def _choose(self, limit: int, caught_up: bool) -> int:
         remaining = limit  # tokens the generation may still emit after this one
         limit = max(0, min(limit, self.k_max))
         if limit == 0:
@@ -336,7 +356,8 @@ class DraftLengthPolicy:
             # drafting k = 1 at acceptance 0.35 for whole generations: drafting never re-times it)
             return 1 if self._timed_here(1) < EXPLORE_TIMES and self.behind == 0 and promising \
                 else 0
-        reach = 2 * max(self._costs_in_use()) + 1  # twice the largest k timed, plus one
+        self._memo[-1] = known = self._costs_in_use()  # type: ignore[index,assignment]
+        reach = 2 * max(known) + 1  # twice the largest k timed, plus one
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
         rates = {
@@ -387,7 +408,7 @@ class DraftLengthPolicy:
         # process) only where the look is worth it: warm processes whose draft is rarely right
         # looked once a generation and found nothing (~2.5% of a 64-token generation)
         worth_a_look = bool(measured) and self.looks and self.behind > 2 and self._look_value(
-            measured, alphas, plain_rate, remaining) > switch
+            measured, alphas, plain_rate, remaining, switch) > switch
         # what the first look or a budgeted probe finds pays over the tokens after it: none in a
         # generation's last HORIZON tokens (warm, alpha 0: a probe after ~60 of 64 plain rounds
         # cost 6.5 ms, 4% of the generation, and could have gained at most a few tokens)
@@ -429,7 +450,7 @@ class DraftLengthPolicy:
         return 0
 
     def _look_value(self, ks: list[int], alphas: list[float], plain_rate: float,
-                    remaining: int) -> float:
+                    remaining: int, against: float = 0.0) -> float:
         """Seconds a look is expected to save: the expected saving per token of drafting the best
         of `ks` over plain decoding, where it saves anything, over the first position's
         posterior Beta(1 + accepted, 1 + rejected) (integrated on a grid of LOOK_POINTS; the later
@@ -437,7 +458,9 @@ class DraftLengthPolicy:
         of the generation). A look acts on what it finds: drafting where the text now pays, plain
         where it does not, so only the first case is worth anything. Unlike a Thompson draw each
         round (a look whenever one draw came out high), this grows slowly as plain rounds fade the
-        evidence (PLAIN_DECAY), and stays small where the evidence is strong either way."""
+        evidence (PLAIN_DECAY), and stays small where the evidence is strong either way. Where a
+        bound on it (Cantelli's on the share of the posterior above the lowest break-even, times
+        the saving at acceptance 1) is already at most `against`, that bound."""
         # per k: E(k) at first-position acceptance x is 1 + x * tail[k], and drafting k saves
         # time per token where x > its break-even (R(k) / R(0) - 1) / tail[k]
         plain = 1.0 / plain_rate
@@ -448,6 +471,14 @@ class DraftLengthPolicy:
             options.append((cost, tail, (cost / plain - 1.0) / tail))
         lowest = min(even for _, _, even in options)
         a, r = self.accepted[0], self.rejected[0]
+        horizon = min(remaining, LOOK_HORIZON)
+        mean = (1.0 + a) / (2.0 + a + r)
+        if lowest > mean:
+            var = mean * (1.0 - mean) / (3.0 + a + r)
+            bound = horizon * var / (var + (lowest - mean) ** 2) * (
+                plain - min(cost / (1.0 + tail) for cost, tail, _ in options))
+            if bound <= against:
+                return bound
         logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
         top = max(logs)
         total = saving = 0.0
@@ -458,7 +489,7 @@ class DraftLengthPolicy:
                 gain = plain - min(cost / (1.0 + x * tail) for cost, tail, _ in options)
                 if gain > 0:
                     saving += weight * gain
-        return min(remaining, LOOK_HORIZON) * saving / total
+        return horizon * saving / total
 
     def _hoped_cost(self, k: int) -> float:
         """R(k), or where it is stale (k not timed for STALE_ROUNDS rounds) the lowest R(k) /
