@@ -79,7 +79,8 @@ once, after `FIRST_LOOK` rounds (a catch-up of a few tokens), whatever the evide
 policy has not looked at a generated text yet (`seen_text`: a fresh process's evidence is the
 prompt's and the first tokens', often the hardest), so that the text being written decides
 whether it is drafted; a policy that has (a warm process's) looks only where a look is worth it,
-as above.
+as above. Neither that look nor a budgeted probe is taken in a generation's last `HORIZON`
+tokens: what they find would have nothing left to pay over.
 
 The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
 after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
