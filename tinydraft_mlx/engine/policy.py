@@ -250,7 +250,9 @@ class DraftLengthPolicy:
         self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
         self.seen_text = False  # a catch-up's evidence (of generated text) has been booked
-        self._memo: dict[int, float] | None = None  # round costs within one `choose`
+        # within one `choose` (the costs do not change): the costs in use, each k's round cost
+        self._known: dict[int, float] | None = None
+        self._memo: dict[int, float] = {}
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -260,15 +262,11 @@ class DraftLengthPolicy:
         another process's load (a file written on a busy machine had R(2) at 1.7x R(1) where it
         is 1.4x, so k = 2 was never tried again), and the estimate below is optimistic, so such a
         k gets timed here once and is then judged on its own cost."""
-        memo = self._memo  # within one `choose`: the costs do not change, each k is computed once
-        if memo is None:
+        if self._known is None:  # outside `choose`
             return self._round_cost(k, self._costs_in_use())
-        cost = memo.get(k)
+        cost = self._memo.get(k)
         if cost is None:
-            known = memo.get(-1)
-            if known is None:
-                known = memo[-1] = self._costs_in_use()  # type: ignore[assignment]
-            cost = memo[k] = self._round_cost(k, known)  # type: ignore[arg-type]
+            cost = self._memo[k] = self._round_cost(k, self._known)
         return cost
 
     def _round_cost(self, k: int, known: dict[int, float]) -> float:
@@ -337,12 +335,13 @@ class DraftLengthPolicy:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
         `caught_up`: the draft has just caught up on the plain rounds it missed (a look), so it
         is in step with the target as after a drafting round."""
-        self._memo = {}  # (called every round, its time overlapping the queued step's: at 34 us
-        # with every cost recomputed per use it cost sampled plain rounds ~3%)
+        # each round cost once per choice (called every round, its time overlapping the queued
+        # step's: at 34 us with every cost recomputed per use it cost sampled plain rounds ~3%)
+        self._known, self._memo = self._costs_in_use(), {}
         try:
             return self._choose(limit, caught_up)
         finally:
-            self._memo = None
+            self._known = None
 
     def _choose(self, limit: int, caught_up: bool) -> int:
         remaining = limit  # tokens the generation may still emit after this one
@@ -357,8 +356,7 @@ class DraftLengthPolicy:
             # drafting k = 1 at acceptance 0.35 for whole generations: drafting never re-times it)
             return 1 if self._timed_here(1) < EXPLORE_TIMES and self.behind == 0 and promising \
                 else 0
-        self._memo[-1] = known = self._costs_in_use()  # type: ignore[index,assignment]
-        reach = 2 * max(known) + 1  # twice the largest k timed, plus one
+        reach = 2 * max(self._known) + 1  # twice the largest k timed, plus one
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
         rates = {
@@ -408,7 +406,7 @@ class DraftLengthPolicy:
         # evidence is the prompt's and the first tokens', often the hardest); afterwards (a warm
         # process) only where the look is worth it: warm processes whose draft is rarely right
         # looked once a generation and found nothing (~2.5% of a 64-token generation)
-        worth_a_look = bool(measured) and self.looks and self.behind > 2 and self._look_value(
+        worth_a_look = bool(measured) and self._looks_first() and self._look_value(
             measured, alphas, plain_rate, remaining, switch) > switch
         # what the first look or a budgeted probe finds pays over the tokens after it: none in a
         # generation's last HORIZON tokens (warm, alpha 0: a probe after ~60 of 64 plain rounds
@@ -434,7 +432,7 @@ class DraftLengthPolicy:
         # Where the loop looks first, a look's value above decides instead: a draw a round made
         # near break-even a look every few rounds (47 looks in 20 generations of 128 tokens,
         # ~2% of a warm process's time where nothing paid; replayed: bench/auto_replay.py)
-        if measured and not (self.looks and self.behind > 2):
+        if measured and not self._looks_first():
             pick, drawn_rate = self._drawn_best(measured)
             if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rate) > self._probe_loss(
                     pick, alphas, switch):
@@ -449,6 +447,12 @@ class DraftLengthPolicy:
             self.plain_seconds = 0.0
             return best
         return 0
+
+    def _looks_first(self) -> bool:
+        """Whether a drafting round now would first catch the draft up and choose again on its
+        evidence (the loop looks before it leaps, and the draft is behind by more than a round or
+        two): what a probe then risks is the catch-up only."""
+        return self.looks and self.behind > 2
 
     def _look_value(self, ks: list[int], alphas: list[float], plain_rate: float,
                     remaining: int, against: float = 0.0) -> float:
@@ -473,11 +477,14 @@ class DraftLengthPolicy:
         lowest = min(even for _, _, even in options)
         a, r = self.accepted[0], self.rejected[0]
         horizon = min(remaining, LOOK_HORIZON)
+
+        def saving_at(x: float) -> float:  # seconds per token the best option saves at x
+            return plain - min(cost / (1.0 + x * tail) for cost, tail, _ in options)
+
         mean = (1.0 + a) / (2.0 + a + r)
         if lowest > mean:
             var = mean * (1.0 - mean) / (3.0 + a + r)
-            bound = horizon * var / (var + (lowest - mean) ** 2) * (
-                plain - min(cost / (1.0 + tail) for cost, tail, _ in options))
+            bound = horizon * var / (var + (lowest - mean) ** 2) * saving_at(1.0)
             if bound <= against:
                 return bound
         logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
@@ -487,7 +494,7 @@ class DraftLengthPolicy:
             weight = math.exp(log_weight - top)
             total += weight
             if x > lowest and weight > 1e-6:  # (below every break-even nothing is saved)
-                gain = plain - min(cost / (1.0 + x * tail) for cost, tail, _ in options)
+                gain = saving_at(x)
                 if gain > 0:
                     saving += weight * gain
         return horizon * saving / total
@@ -513,7 +520,7 @@ class DraftLengthPolicy:
         what plain decoding would take for the tokens it yields, except where the loop looks
         first (the draft is behind: it catches up, books what it predicted and chooses again,
         drafting only if that says it pays)."""
-        if self.looks and self.behind > 2:
+        if self._looks_first():
             return switch
         return switch + self.round_cost(k) - self.expected_tokens(alphas, k) * self.round_seconds[0]
 
