@@ -3,6 +3,7 @@ best k is known in closed form and the policy's throughput can be compared with 
 
 import random
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -575,33 +576,12 @@ def test_a_warm_process_near_break_even_does_not_look_every_few_rounds():
     look whenever one draw came out high: 124 looks in the 20 generations, 0.96x plain
     decoding. Taken where its expected value (`_look_value`) repays its catch-up: 42 looks,
     0.98x. Bounds: half the looks, 0.98x."""
-    from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
-
-    rng = random.Random(1)
     policy = _near_break_even(0.0, 0.0, 0)
     policy.costs.here.discard(1)
-    policy.looks = True
-    looks, seconds, tokens = 0, 0.0, 0
-    for _ in range(20):
-        policy.look_due, policy.behind = True, 0  # a generation starts (`shared_policy`)
-        emitted = 0
-        while emitted < 128:
-            policy.plain_seconds = 0.0
-            k, catch_up = policy.choose(127 - emitted), 0.0
-            if k > 0 and policy.behind > 0:
-                looks, catch_up = looks + 1, 0.7
-                policy.observe([float(rng.random() < 0.4) for _ in range(CATCH_UP_EVIDENCE)])
-                k = policy.choose(127 - emitted, caught_up=True)
-            n = 0
-            while n < k and rng.random() < 0.4:
-                n += 1
-            cost = 1.0 + k / 2
-            policy.update(k, n, cost, catch_up=catch_up)
-            seconds += cost + catch_up
-            emitted += n + 1
-        tokens += emitted
-    assert looks <= 62, looks
-    assert tokens / seconds >= 0.98, (tokens / seconds, looks, policy.chosen)
+    run = looking_simulation(policy, 0.4, lambda r, k: 1.0 + k / 2, generations=20, tokens=128,
+                             catch_up=0.7, budget=False, seed=1)
+    assert run.looks <= 62, run.looks
+    assert run.tokens / run.seconds >= 0.98, (run.tokens / run.seconds, run.looks, policy.chosen)
 
 
 def test_a_file_whose_plain_round_is_stale_does_not_keep_a_process_drafting():
@@ -621,29 +601,56 @@ def test_a_file_whose_plain_round_is_stale_does_not_keep_a_process_drafting():
     assert ks[-100:].count(0) >= 80, ks
 
 
-def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int,
-                       seed: int = 0) -> list[int]:
+@dataclass
+class Looking:
+    """What `looking_simulation` played: the k of each round, the looks (catch-ups), the tokens
+    emitted and the seconds spent (rounds and catch-ups)."""
+
+    ks: list[int] = field(default_factory=list)
+    looks: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int = 0, *,
+                       generations: int = 0, tokens: int = 128, catch_up: float = 0.5,
+                       budget: bool = True, seed: int = 0) -> Looking:
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
-    after plain rounds first catches the draft up (priced 0.5 s, booked as its 16 positions'
-    predictions, each accepted with probability `alpha`), then chooses again, `caught_up`.
-    `cost(r, k)`: seconds of round r drafting k. Returns the k drafted per round."""
+    after plain rounds first catches the draft up (priced `catch_up` s, booked as its 16
+    positions' predictions, each accepted with probability `alpha`), then chooses again,
+    `caught_up`; each position is accepted with probability `alpha`. `cost(r, k)`: seconds of
+    round r drafting k. Either `rounds` rounds of one endless generation, or `generations`
+    generations of `tokens` tokens each (each starts as `shared_policy` starts one, and a round
+    may emit the tokens left). `budget=False`: no budgeted probe (its budget is spent every
+    round)."""
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
 
     rng = random.Random(seed)
-    policy.looks, policy.look_due = True, True  # as at a generation's start (`shared_policy`)
-    ks = []
-    for r in range(rounds):
-        k, catch_up = policy.choose(1000), 0.0
-        if k > 0 and policy.behind > 0:
-            catch_up = 0.5
-            policy.observe([float(rng.random() < alpha) for _ in range(CATCH_UP_EVIDENCE)])
-            k = policy.choose(1000, caught_up=True)
-        n = 0
-        while n < k and rng.random() < alpha:
-            n += 1
-        policy.update(k, n, cost(r, k), catch_up=catch_up)
-        ks.append(k)
-    return ks
+    policy.looks = True
+    run, r = Looking(), 0
+    for _ in range(max(1, generations)):
+        policy.look_due, policy.behind = True, 0  # a generation's start (`shared_policy`)
+        emitted = 0
+        while r < rounds if not generations else emitted < tokens:
+            limit = tokens - 1 - emitted if generations else 1000
+            if not budget:
+                policy.plain_seconds = 0.0
+            k, looked = policy.choose(limit), 0.0
+            if k > 0 and policy.behind > 0:
+                run.looks, looked = run.looks + 1, catch_up
+                policy.observe([float(rng.random() < alpha) for _ in range(CATCH_UP_EVIDENCE)])
+                k = policy.choose(limit, caught_up=True)
+            n = 0
+            while n < k and rng.random() < alpha:
+                n += 1
+            seconds = cost(r, k)
+            policy.update(k, n, seconds, catch_up=looked)
+            run.ks.append(k)
+            run.seconds += seconds + looked
+            emitted += n + 1
+            r += 1
+        run.tokens += emitted
+    return run
 
 
 def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
@@ -662,7 +669,7 @@ def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
         busy = 40 <= r < 50
         return 1.0 if k == 0 else (1.0 + k / 2) * (2.0 if busy else 1.0)
 
-    ks = looking_simulation(policy, 0.7, cost, 600)
+    ks = looking_simulation(policy, 0.7, cost, 600).ks
     # busy timings were booked: it drafted before and during the busy moment (from its first
     # look, after FIRST_LOOK plain rounds where its first two drafts were rejected)
     assert ks[10:40].count(1) >= 25 and ks[40:50].count(1) >= 3, ks[:50]
