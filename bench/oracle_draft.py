@@ -30,26 +30,36 @@ class OracleDraft:
             self.right = np.array(mx.argmax(logits[0], axis=-1)).tolist()
         self.layers = draft.layers
         self.args = draft.args
+        self._decided: dict[tuple, np.ndarray] = {}
 
-    def _proposal(self, position: int, key: tuple = ()) -> int | None:
-        """The token to propose after absolute `position`, or None past the reference; the
-        decision is a pure function of (seed, *key, position)."""
-        if position + 1 >= len(self.reference):
-            return None
-        right = self.right[position]
-        u = np.random.default_rng([self.seed, *key, position]).random()
-        return right if u < self.alpha else (right + 1) % self.args.vocab_size
+    def _tokens(self, key: tuple = ()) -> np.ndarray:
+        """The proposal after every position of the reference but its last, decided once per
+        `key`: at each position a pure function of (seed, *key, position). Decided up front, so
+        that a call costs the draft's forward and one vectorised selection: decided row by row
+        (a generator and a where over the vocabulary per row) a 60-token catch-up cost 8.6 ms
+        where the draft's forward takes 4.5 (demo pair), and the looks k="auto" takes after
+        plain rounds were judged on the oracle's overhead, not the draft's."""
+        tokens = self._decided.get(key)
+        if tokens is None:
+            n = len(self.reference) - 1
+            u = np.array([np.random.default_rng([self.seed, *key, p]).random() for p in range(n)])
+            right = np.array(self.right[:n], dtype=np.int64)
+            tokens = self._decided[key] = np.where(
+                u < self.alpha, right, (right + 1) % self.args.vocab_size).astype(np.int32)
+        return tokens
 
     def _sequence(self, logits: mx.array, start: int, key: tuple = ()) -> mx.array:
         """(L, V) proposals of one sequence whose first input sits at `start`: a decisive one-hot
-        in the draft's dtype where the reference decides, else the draft's own logits."""
-        width = logits.shape[-1]
-        rows = []
-        for j in range(logits.shape[0]):
-            token = self._proposal(start + j, key)
-            rows.append(logits[j] if token is None else
-                        mx.where(mx.arange(width) == token, 30.0, -30.0).astype(logits.dtype))
-        return mx.stack(rows)
+        in the draft's dtype where the reference decides (a prefix of the rows), else the
+        draft's own logits."""
+        tokens = self._tokens(key)[start : start + logits.shape[0]]
+        if tokens.size == 0:
+            return logits
+        decided = mx.where(mx.arange(logits.shape[-1])[None] == mx.array(tokens)[:, None],
+                           30.0, -30.0).astype(logits.dtype)
+        if tokens.size == logits.shape[0]:
+            return decided
+        return mx.concatenate([decided, logits[tokens.size :]])
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         start = cache[0].offset if cache else 0
