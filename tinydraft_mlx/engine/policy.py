@@ -11,34 +11,30 @@ Both sides are measured online, not assumed:
   round (and by `PLAIN_DECAY` at every plain one where the loop `looks`, below) so that the
   estimate follows the text; a position with little data borrows strength from the pooled rate
   (posterior mean under a prior of weight `prior_strength` centred on it).
-- R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median: on a
-  shared machine a round now and then takes 2-3x its usual time); timings older than `STALE_ROUNDS`
-  rounds give way to k's next one, and a look (below) judges a k whose timings are that old at the
-  lowest R(k) / R(0) measured here, so that it is timed afresh where that would pay (a busy moment's
-  timings of R(1) at 2x otherwise kept a warm process plain for good: plain rounds never re-time
-  R(1), and each look judged drafting on the same stale cost). R(0) is the mean of a stretch of
-  plain rounds without its first and last rounds, booked every `STRETCH_BOOK` rounds: pipelined
-  plain rounds are not alike one by one: on MLX's CPU backend the first round of a stretch waits for
-  two steps (its own and the one queued behind it) and the last for almost nothing (demo pair: 6.6,
-  3.3, ..., 3.3, 0.3 ms). Booked one by one without the first, R(0) came out 20% low (2.6 ms for
-  3.3) and a fresh process decoded plainly where k = 2 was 1.15x faster. The mirror of a stale R(k):
-  an R(0) booked in a busy moment makes drafting look better than it is, and a process that drafts
-  never times a plain round; so an R(0) that is stale and implausibly high beside the R(k) drafted
-  is re-timed by a few plain rounds (`_doubts_plain`), and a process times its first R(0) on
-  EXPLORE_TIMES rounds, not one. An unmeasured k is interpolated linearly between measured
-  neighbours; beyond the largest measured k it follows the slope of the two largest measured
-  drafting k, or with one only adds draft steps of R(0) * draft_ratio each (draft_ratio: the
-  draft/target prefill time ratio), i.e. it is optimistic (extra verification assumed free) until
-  measured, so a larger k that might pay gets tried once and then judged on its measured cost. The
-  policy never goes beyond twice the largest measured k plus one (timed in this process, once it has
-  timed one: a file's k = 5 let a fresh process try k = 8), so a bad extrapolation costs one modest
+- R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median:
+  on a shared machine a round now and then takes 2-3x its usual time); timings older than
+  `STALE_ROUNDS` rounds give way to k's next one, and a look (below) judges a k whose timings are
+  that old at the lowest R(k) / R(0) measured here, so that it is timed afresh where that would
+  pay (a busy moment's timings of R(1) at 2x otherwise kept a warm process plain for good: plain
+  rounds never re-time R(1), and each look judged drafting on the same stale cost). R(0) is
+  the mean of a stretch of plain rounds without its first and last rounds, booked every
+  `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
+  first round of a stretch waits for two steps (its own and the one queued behind it) and the last
+  for almost nothing (demo pair: 6.6, 3.3, ..., 3.3, 0.3 ms). Booked one by one without the first,
+  R(0) came out 20% low (2.6 ms for 3.3) and a fresh process decoded plainly where k = 2 was 1.15x
+  faster. An unmeasured k is interpolated linearly between measured neighbours; beyond the largest
+  measured k it follows the slope of the two largest measured drafting k, or with one only adds
+  draft steps of R(0) * draft_ratio each (draft_ratio: the draft/target prefill time ratio), i.e.
+  it is optimistic (extra verification assumed free) until measured, so a larger k that might pay
+  gets tried once and then judged on its measured cost. The policy never
+  goes beyond twice the largest measured k plus one (timed in this process, once it has timed
+  one: a file's k = 5 let a fresh process try k = 8), so a bad extrapolation costs one modest
   round, not a k_max-sized one.
 
 A new pair's first rounds draft one token, timed three times, unless the evidence already says
 its first position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target
-after the prefill: exploring then costs no catch-up); then plain rounds measure R(0) on a stretch's
-second to fourth rounds (booked one by one, each once the next shows it was not the last). One
-unlucky start
+after the prefill: exploring then costs no catch-up); then plain rounds measure R(0) (its first
+estimate is a stretch's second round, once a third shows it was not the last). One unlucky start
 (a traced step, rejected drafts) must not keep a process plain for a whole generation, nor may
 exploring cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process
 5% of its generation there). A process that starts from the policy file does the same: it
@@ -147,9 +143,7 @@ HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to 
 LOOK_HORIZON = 64  # tokens (at most: the rest of the generation) a look's finding holds for
 LOOK_POINTS = 24  # grid over the first position's acceptance a look's value is integrated on
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
-STALE_ROUNDS = 32  # rounds after which a k's cost (R(0) too) is re-timed afresh by a probe
-PLAIN_PROBE = 5  # plain rounds re-timing a stale, implausible R(0) (the 2nd and 3rd are booked)
-DOUBT = 1.1  # R(0) above R(k) / (1 + k * draft_ratio) by more than this is doubted (stale)
+STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh by a probe
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
 _GRID = [(i + 0.5) / LOOK_POINTS for i in range(LOOK_POINTS)]
@@ -175,14 +169,11 @@ class RoundCosts:
         self.best_ratio: dict[int, float] = {}
         self.rounds = 0  # rounds booked in this process
         self.last_timed: dict[int, int] = {}  # per k, `rounds` when it was last timed here
-        # rounds after which R(0) is stale: doubled by each probe that found it as it was
-        self.plain_stale = STALE_ROUNDS
 
     def stale(self, k: int) -> bool:
-        """Whether k's timings here are older than STALE_ROUNDS rounds (R(0): `plain_stale`;
-        never timed: not stale)."""
-        after = self.plain_stale if k == 0 else STALE_ROUNDS
-        return k in self.last_timed and self.rounds - self.last_timed[k] >= after
+        """Whether k's timings here are older than STALE_ROUNDS rounds (never timed: not
+        stale)."""
+        return k in self.last_timed and self.rounds - self.last_timed[k] >= STALE_ROUNDS
 
     def book_switch(self, behind: int, seconds: float) -> None:
         """A catch-up of `seconds` after `behind` plain rounds."""
@@ -258,8 +249,6 @@ class DraftLengthPolicy:
         self.looks = False
         self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
-        self.plain_probe = 0  # plain rounds still to go of a probe re-timing R(0)
-        self.probed = False  # such a probe's rounds are all chosen: book them before deciding
         self.seen_text = False  # a catch-up's evidence (of generated text) has been booked
         # within one `choose` (the costs do not change): the costs in use, each k's round cost
         self._known: dict[int, float] | None = None
@@ -348,16 +337,6 @@ class DraftLengthPolicy:
         is in step with the target as after a drafting round."""
         # each round cost once per choice (called every round, its time overlapping the queued
         # step's: at 34 us with every cost recomputed per use it cost sampled plain rounds ~3%)
-        if self.probed and not self.plain_probe:  # a probe's timed rounds but its last (which
-            # may wait for little) re-time R(0) before the choice after it
-            self.probed = False
-            doubted = self.round_seconds[0]
-            self._book_stretch()
-            # where R(0) was right the plausibility bound is not (`_doubts_plain`): doubt it
-            # half as often from now on, so that such probes cost O(log rounds) in all
-            costs = self.costs
-            costs.plain_stale = STALE_ROUNDS if self.round_seconds[0] * DOUBT < doubted \
-                else 2 * costs.plain_stale
         self._known, self._memo = self._costs_in_use(), {}
         try:
             return self._choose(limit, caught_up)
@@ -369,18 +348,14 @@ class DraftLengthPolicy:
         limit = max(0, min(limit, self.k_max))
         if limit == 0:
             return 0
-        if self.plain_probe > 0:  # re-timing R(0) (`_doubts_plain`)
-            self.plain_probe -= 1
-            return 0
         # the first position's mean acceptance under a uniform prior: 1/3 after one rejection
         promising = (1.0 + self.accepted[0]) / (2.0 + self.accepted[0] + self.rejected[0]) \
             >= EXPLORE_MIN
-        if self._timed_here(0) < EXPLORE_TIMES:  # k = 1 while the draft is in step, then R(0),
-            # timed here on EXPLORE_TIMES rounds (a file's R(0), measured under another process's
-            # load, too high, kept processes drafting k = 1 at acceptance 0.35 for whole
-            # generations: drafting never re-times it; one round's timing is one moment's)
+        if 0 not in self.costs.here:  # k = 1 while the draft is in step, then R(0), timed here
+            # (a file's R(0), measured under another process's load, too high, kept processes
+            # drafting k = 1 at acceptance 0.35 for whole generations: drafting never re-times it)
             return 1 if self._timed_here(1) < EXPLORE_TIMES and self.behind == 0 and promising \
-                and 0 not in self.costs.here else 0
+                else 0
         reach = 2 * max(self._known) + 1  # twice the largest k timed, plus one
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
@@ -391,11 +366,7 @@ class DraftLengthPolicy:
         if not rates:
             return 0
         best = max(rates, key=lambda k: (rates[k], -k))
-        room = remaining >= HORIZON  # tokens left for what a probe finds to pay over (below)
         if rates[best] > plain_rate:
-            if room and self._doubts_plain(best):
-                self.plain_probe, self.probed = PLAIN_PROBE - 1, True
-                return 0
             self.plain_seconds = 0.0
             return best
         switch = (self.costs.switch_cost(self.behind) if self.costs.switches
@@ -440,6 +411,7 @@ class DraftLengthPolicy:
         # what the first look or a budgeted probe finds pays over the tokens after it: none in a
         # generation's last HORIZON tokens (warm, alpha 0: a probe after ~60 of 64 plain rounds
         # cost 6.5 ms, 4% of the generation, and could have gained at most a few tokens)
+        room = remaining >= HORIZON
         if self.look_due and self.looks and self.behind >= FIRST_LOOK and room and (
                 worth_a_look or not self.seen_text):
             self.look_due = False
@@ -475,21 +447,6 @@ class DraftLengthPolicy:
             self.plain_seconds = 0.0
             return best
         return 0
-
-    def _doubts_plain(self, k: int) -> bool:
-        """Whether R(0) is to be re-timed by a plain probe (PLAIN_PROBE rounds) before drafting
-        k goes on: it is stale (not timed for `plain_stale` rounds: a process that drafts never
-        times a plain round) and implausibly high beside R(k): above R(k) / (1 + k *
-        draft_ratio) by more than DOUBT (a round drafting k verifies on the target, at least a
-        plain round's work, and takes k draft steps). An R(0) booked in a busy moment makes
-        drafting look better than it is, and nothing else corrects it (a fresh process at T =
-        0.7 drafted 123 of 128 rounds at 0.79x plain); the probe's timing replaces the stale
-        R(0) (`_book`). A plausible R(0) is not doubted (re-timing it every STALE_ROUNDS rounds
-        where drafting pays would cost ~2%), and each probe that finds R(0) as it was (the bound
-        is wrong for this pair: its draft steps cost less than its prefill ratio says) doubles
-        `plain_stale`, so that such probes cost O(log rounds) in all."""
-        return self.costs.stale(0) and \
-            self.round_seconds[0] * (1.0 + k * self.draft_ratio) > DOUBT * self.round_cost(k)
 
     def _looks_first(self) -> bool:
         """Whether a drafting round now would first catch the draft up and choose again on its
@@ -605,10 +562,9 @@ class DraftLengthPolicy:
                 self.stretch[0] += self.pending
                 self.stretch[1] += 1
             self.pending = seconds
-            if self.stretch[1] and (self._timed_here(0) < EXPLORE_TIMES
+            if self.stretch[1] and (0 not in self.costs.here
                                     or self.stretch[1] >= STRETCH_BOOK):
-                self._book_stretch()  # the first estimates at once: nothing is chosen without
-                # them
+                self._book_stretch()  # the first estimate at once: nothing is chosen without it
             return
         self._book(k, seconds, 1)
 
@@ -676,21 +632,20 @@ class DraftLengthPolicy:
     def _book(self, k: int, seconds: float, rounds: int) -> None:
         """Fold `rounds` rounds of `seconds` each into R(k); the first timing of k in this
         process replaces a cost loaded from the policy file (`round_cost`)."""
-        costs = self.costs
-        stale = costs.stale(k)
-        if k not in costs.here:
-            costs.here.add(k)
+        if k not in self.costs.here:
+            self.costs.here.add(k)
             self.timed[k] = 0
         self.timed[k] += rounds
-        costs.last_timed[k] = costs.rounds
         if k > 0:  # the median of the latest timings: a scheduler's hiccup (a round at 2-3x,
             # seen every few dozen rounds on a shared machine) must not decide, and R(1) was
             # judged on its first two rounds, one of them at 1.4x the rest. Timings older than
             # STALE_ROUNDS rounds describe another moment of the machine: the first timing since
             # replaces them
+            costs = self.costs
             recent = costs.recent.setdefault(k, deque(maxlen=RECENT))
-            if stale:
+            if costs.stale(k):
                 recent.clear()
+            costs.last_timed[k] = costs.rounds
             recent.append(seconds)
             self.round_seconds[k] = statistics.median(recent)
             if self.round_seconds.get(0, 0.0) > 0:
@@ -698,11 +653,9 @@ class DraftLengthPolicy:
                 costs.best_ratio[k] = min(costs.best_ratio.get(k, ratio), ratio)
             return
         # plain rounds (booked as a stretch's mean, many rounds each): a running mean at first,
-        # then a moving average of weight `smoothing` per round; a stale R(0) is replaced (as a
-        # drafting k's stale timings are)
+        # then a moving average of weight `smoothing` per round
         old = self.round_seconds.get(k, 0.0)
-        weight = 1.0 if stale else max(1.0 - (1.0 - self.smoothing) ** rounds,
-                                        rounds / self.timed[k])
+        weight = max(1.0 - (1.0 - self.smoothing) ** rounds, rounds / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
 
 
@@ -796,7 +749,6 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
     policy.plain_seconds = 0.0
     policy.look_due = True  # FIRST_LOOK
     policy.behind = 0  # a generation's draft starts in step with its target (both prefilled)
-    policy.plain_probe, policy.probed = 0, False
     policy.pair = pair
     return policy
 
