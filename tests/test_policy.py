@@ -617,8 +617,8 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
                        budget: bool = True, seed: int = 0) -> Looking:
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
     after plain rounds first catches the draft up (priced `catch_up` s, booked as its 16
-    positions' predictions, each accepted with probability `alpha`), then chooses again,
-    `caught_up`; each position is accepted with probability `alpha`. `cost(r, k)`: seconds of
+    positions' predictions), then chooses again, `caught_up`; every prediction and every draft
+    position is accepted with probability `alpha`. `cost(r, k)`: seconds of
     round r drafting k. Either `rounds` rounds of one endless generation, or `generations`
     generations of `tokens` tokens each (each starts as `shared_policy` starts one, and a round
     may emit the tokens left). `budget=False`: no budgeted probe (its budget is spent every
@@ -631,7 +631,7 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     for _ in range(max(1, generations)):
         policy.look_due, policy.behind = True, 0  # a generation's start (`shared_policy`)
         emitted = 0
-        while r < rounds if not generations else emitted < tokens:
+        while (emitted < tokens) if generations else (r < rounds):
             limit = tokens - 1 - emitted if generations else 1000
             if not budget:
                 policy.plain_seconds = 0.0
