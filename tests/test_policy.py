@@ -483,18 +483,25 @@ def test_a_generations_first_plain_stretch_looks_once():
     (a fresh process: its evidence is the prompt's and the first tokens', and the first tokens
     after a prompt are often the hardest: three rejected k = 1 rounds there kept fresh processes
     plain for 30-60 rounds where k = 1 pays throughout) looks at a generation's text after
-    FIRST_LOOK rounds whatever its evidence says, once: a look that books a catch-up ends it.
-    Without looks, no such probe. A policy that has looked at generated text before (a warm
-    process) looks at a new generation's text only where a look is worth its catch-up
-    (`_look_value`): not where much evidence says the draft is rarely right, nor where it says
-    drafting loses by a clear margin (warm processes looked once a generation there and found
-    nothing); and none in a generation's last HORIZON tokens."""
-    from tinydraft_mlx.engine.policy import FIRST_LOOK, HORIZON
+    FIRST_LOOK rounds however much its evidence says drafting loses, once: a look that books a
+    catch-up ends it; not where the generation's prompt said the draft is rarely right (target
+    and draft predicting alike on fewer than EXPLORE_MIN of its last tokens, the share below
+    which a new pair does not explore either: a draft that all 16 prompt tokens disagreed with
+    paid a catch-up, ~1% of a 128-token generation, to find it hopeless again). Without looks,
+    no such probe. A policy that has looked at generated text before (a warm process), and a
+    fresh one whose prompt disagreed, looks at a new generation's text only where a look is
+    worth its catch-up (`_look_value`): not where much evidence says the draft is rarely right,
+    nor where it says drafting loses by a clear margin (warm processes looked once a generation
+    there and found nothing); and none in a generation's last HORIZON tokens."""
+    from tinydraft_mlx.engine.policy import EXPLORE_MIN, FIRST_LOOK, HORIZON
 
     def rounds_to_look(accepted: float, rejected: float, looks: bool = True,
-                       due: bool = True, seen: bool = False, tokens: int = 200) -> int:
+                       due: bool = True, seen: bool = False, tokens: int = 200,
+                       prompt: int | None = None) -> int:
         policy = _near_break_even(accepted, rejected, 0)  # no Thompson draw acts in 100 rounds
         policy.looks, policy.look_due, policy.seen_text = looks, due, seen
+        if prompt is not None:  # of the prompt's last 16 tokens, `prompt` predicted alike
+            policy.observe_first([1.0] * prompt + [0.0] * (16 - prompt))
         policy.update(0, 0, 1.0)  # behind: 1
         for _ in range(1, 100):
             policy.plain_seconds = 0.0  # no probe budget: the look alone
@@ -509,6 +516,11 @@ def test_a_generations_first_plain_stretch_looks_once():
     assert rounds_to_look(*promising_but_losing, due=False) == 100
     assert rounds_to_look(0.0, 8.0) == FIRST_LOOK  # thin evidence against: it looks
     assert rounds_to_look(0.5, 39.5) == FIRST_LOOK  # strong: a fresh policy looks all the same
+    # unless the generation's prompt said the draft is rarely right: 4 of 16 agree, or none
+    assert 4 / 16 < EXPLORE_MIN <= 5 / 16
+    assert rounds_to_look(*promising_but_losing, prompt=5) == FIRST_LOOK
+    assert rounds_to_look(*promising_but_losing, prompt=4) == 100
+    assert rounds_to_look(0.0, 0.0, prompt=0) == 100
     assert rounds_to_look(*promising_but_losing, seen=True) == 100  # a warm one does not
     assert rounds_to_look(0.5, 39.5, seen=True) == 100
     # nor where what it finds has no tokens left to pay over: the generation's last HORIZON
@@ -603,13 +615,17 @@ def test_a_file_whose_plain_round_is_stale_does_not_keep_a_process_drafting():
 
 @dataclass
 class Looking:
-    """What `looking_simulation` played: the k of each round, the looks (catch-ups), the tokens
-    emitted and the seconds spent (rounds and catch-ups)."""
+    """What `looking_simulation` played: the k of each round, the rounds that began with a look
+    (a catch-up), the tokens emitted and the seconds spent (rounds and catch-ups)."""
 
     ks: list[int] = field(default_factory=list)
-    looks: int = 0
+    looked: list[int] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+
+    @property
+    def looks(self) -> int:
+        return len(self.looked)
 
 
 def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int = 0, *,
@@ -637,7 +653,8 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
                 policy.plain_seconds = 0.0
             k, looked = policy.choose(limit), 0.0
             if k > 0 and policy.behind > 0:
-                run.looks, looked = run.looks + 1, catch_up
+                run.looked.append(r)
+                looked = catch_up
                 policy.observe([float(rng.random() < alpha) for _ in range(CATCH_UP_EVIDENCE)])
                 k = policy.choose(limit, caught_up=True)
             n = 0
@@ -674,3 +691,42 @@ def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
     # look, after FIRST_LOOK plain rounds where its first two drafts were rejected)
     assert ks[10:40].count(1) >= 25 and ks[40:50].count(1) >= 3, ks[:50]
     assert ks[-200:].count(1) >= 150, Counter(ks[-200:])
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.4, 0.7])
+def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, monkeypatch):
+    """`choose` makes its full choice in a plain stretch every HOLD_ROUNDS rounds (10-40 us of
+    Python, 3-4x that in the decode loop on a busy 2-core CPU: ~1% of a plain round); between
+    them a budgeted probe and a generation's first look are taken the round they fall due, and
+    a drafting round or new evidence ends the hold. Driven with the hold and without it
+    (HOLD_ROUNDS = 1) on the same draws, 20 generations of 128 tokens: where the draft is
+    hopeless (alpha 0: looks come from the first look and the budget only) and where drafting
+    pays (alpha 0.7), every round's k and every look are the same; near break-even (alpha 0.4,
+    where a look's slowly growing value decides when to look) the looks move by a few rounds,
+    tokens per second within 1%. Where the draft is hopeless the full choice is made in under a
+    third of the rounds."""
+    from tinydraft_mlx.engine import policy as policy_module
+
+    full = Counter()
+    choose = DraftLengthPolicy._choose
+
+    def counted(self, *args):
+        full[policy_module.HOLD_ROUNDS] += 1
+        return choose(self, *args)
+
+    monkeypatch.setattr(DraftLengthPolicy, "_choose", counted)
+    runs = {}
+    for hold in (1, policy_module.HOLD_ROUNDS):
+        monkeypatch.setattr(policy_module, "HOLD_ROUNDS", hold)
+        runs[hold] = [looking_simulation(_near_break_even(0.0, 0.0, 0), alpha,
+                                         lambda r, k: 1.0 + k / 2, generations=20, tokens=128,
+                                         catch_up=0.7, seed=seed) for seed in (1, 2, 3)]
+    every, held = runs[1], runs[hold]
+    assert hold > 1
+    if alpha == 0.4:
+        for a, b in zip(every, held):
+            assert abs((b.tokens / b.seconds) / (a.tokens / a.seconds) - 1) <= 0.01
+        return
+    assert [(run.ks, run.looked) for run in every] == [(run.ks, run.looked) for run in held]
+    if alpha == 0.0:
+        assert full[hold] < sum(len(run.ks) for run in held) / 3 < full[1], full

@@ -79,8 +79,17 @@ once, after `FIRST_LOOK` rounds (a catch-up of a few tokens), whatever the evide
 policy has not looked at a generated text yet (`seen_text`: a fresh process's evidence is the
 prompt's and the first tokens', often the hardest), so that the text being written decides
 whether it is drafted; a policy that has (a warm process's) looks only where a look is worth it,
-as above. Neither that look nor a budgeted probe is taken in a generation's last `HORIZON`
-tokens: what they find would have nothing left to pay over.
+as above, and so does a fresh one whose generation's prompt said the draft is rarely right (target
+and draft agreeing on fewer than `EXPLORE_MIN` of its last tokens: a look found such a draft
+hopeless again, ~1% of a 128-token generation). Neither that look nor a budgeted probe is taken
+in a generation's last `HORIZON` tokens: what they find would have nothing left to pay over.
+
+A plain choice where the loop looks first stands for `HOLD_ROUNDS` rounds (`choose`, `_due`): what
+decides a plain stretch's rounds moves slowly (evidence fading by `PLAIN_DECAY` a round, R(0)
+booked every `STRETCH_BOOK` rounds), so the full choice (10-40 us of Python, 3-4x that in the loop
+on a 2-core CPU whose cores run MLX's compute) is made every `HOLD_ROUNDS` rounds; a budgeted
+probe and a generation's first look are still taken the round they fall due, and a drafting round
+or new evidence ends a hold.
 
 The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
 after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
@@ -144,6 +153,7 @@ LOOK_HORIZON = 64  # tokens (at most: the rest of the generation) a look's findi
 LOOK_POINTS = 24  # grid over the first position's acceptance a look's value is integrated on
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh by a probe
+HOLD_ROUNDS = 8  # plain rounds a plain choice stands for unless a probe or the first look falls due
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
 _GRID = [(i + 0.5) / LOOK_POINTS for i in range(LOOK_POINTS)]
@@ -250,9 +260,12 @@ class DraftLengthPolicy:
         self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
         self.seen_text = False  # a catch-up's evidence (of generated text) has been booked
+        # this generation's prompt said the draft is rarely right (`observe_first`)
+        self.prompt_disagrees = False
         # within one `choose` (the costs do not change): the costs in use, each k's round cost
         self._known: dict[int, float] | None = None
         self._memo: dict[int, float] = {}
+        self.held = 0  # further plain rounds the latest plain choice stands for (`choose`)
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -335,13 +348,37 @@ class DraftLengthPolicy:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
         `caught_up`: the draft has just caught up on the plain rounds it missed (a look), so it
         is in step with the target as after a drafting round."""
+        if self.held > 0 and not caught_up and not self._due(limit):
+            # a plain stretch's choice stands for HOLD_ROUNDS rounds (`_due`)
+            self.held -= 1
+            return 0
+        self.held = 0
         # each round cost once per choice (called every round, its time overlapping the queued
         # step's: at 34 us with every cost recomputed per use it cost sampled plain rounds ~3%)
         self._known, self._memo = self._costs_in_use(), {}
         try:
-            return self._choose(limit, caught_up)
+            k = self._choose(limit, caught_up)
         finally:
             self._known = None
+        if k == 0 and not caught_up and self._looks_first():
+            self.held = HOLD_ROUNDS - 1
+            if self.look_due and self.behind < FIRST_LOOK:  # chosen afresh where it falls due
+                self.held = min(self.held, FIRST_LOOK - 1 - self.behind)
+        return k
+
+    def _due(self, limit: int) -> bool:
+        """Whether a held plain choice (`choose`) must be made afresh now: a budgeted probe falls
+        due, checked every round as in `_choose` (a hold ends where a generation's first look
+        falls due). What else decides a plain stretch's rounds moves slowly: the evidence fades
+        by PLAIN_DECAY a round, R(0) is booked every STRETCH_BOOK rounds, a look's value grows as
+        the evidence fades. So the full choice (10-40 us of Python, 3-4x that in the loop where
+        the host shares a 2-core CPU with MLX's compute) is made every HOLD_ROUNDS plain rounds,
+        and new evidence (a look, a drafting round, a generation's prompt) ends a hold at once."""
+        if limit < HORIZON:  # no probe in a generation's last HORIZON tokens
+            return False
+        switch = (self.costs.switch_cost(self.behind) if self.costs.switches
+                  else self.round_seconds[0])
+        return self.plain_seconds * self.probe_budget >= switch
 
     def _choose(self, limit: int, caught_up: bool) -> int:
         remaining = limit  # tokens the generation may still emit after this one
@@ -413,7 +450,7 @@ class DraftLengthPolicy:
         # cost 6.5 ms, 4% of the generation, and could have gained at most a few tokens)
         room = remaining >= HORIZON
         if self.look_due and self.looks and self.behind >= FIRST_LOOK and room and (
-                worth_a_look or not self.seen_text):
+                worth_a_look or not self.seen_text and not self.prompt_disagrees):
             self.look_due = False
             self.plain_seconds = 0.0
             return best
@@ -532,6 +569,8 @@ class DraftLengthPolicy:
         price of a switch, which prices probes but not sustained drafting (round_seconds)."""
         self.chosen[k] += 1
         self.costs.rounds += 1
+        if k > 0 or catch_up > 0:
+            self.held = 0
         if catch_up > 0:
             self.look_due = False
             self.costs.book_switch(self.behind, catch_up)
@@ -545,9 +584,8 @@ class DraftLengthPolicy:
         # stretch of plain rounds keeps the last evidence (a probe then costs a whole round).
         decay = self.decay if k > 0 else PLAIN_DECAY if self.looks else 1.0
         if decay < 1.0:
-            for i in range(self.k_max):
-                self.accepted[i] *= decay
-                self.rejected[i] *= decay
+            self.accepted = [a * decay for a in self.accepted]
+            self.rejected = [r * decay for r in self.rejected]
         for i in range(min(accepted, self.k_max)):
             self.accepted[i] += 1.0
         if accepted < k:
@@ -596,6 +634,7 @@ class DraftLengthPolicy:
         target's token there (the next round's first draft step computes it anyway). Exactly what
         a round drafting one more token would have booked there, so a policy drafting k learns
         whether k + 1 would pay without trying it."""
+        self.held = 0
         if position < self.k_max:
             if accepted:
                 self.accepted[position] += 1.0
@@ -605,12 +644,16 @@ class DraftLengthPolicy:
     def observe_first(self, evidence: list[float]) -> None:
         """Book evidence on the first draft position only: per prompt token, the probability
         that a one-token draft after it would have been accepted (greedy: target and draft
-        predicting alike; sampled: sum min(p, q)), at most CATCH_UP_WEIGHT rounds' worth."""
+        predicting alike; sampled: sum min(p, q)), at most CATCH_UP_WEIGHT rounds' worth. Where
+        they agree on fewer than EXPLORE_MIN of it, the generation's first plain stretch does not
+        look at its text whatever the evidence says (`_choose`): only where a look is worth it."""
+        self.prompt_disagrees = bool(evidence) and sum(evidence) < EXPLORE_MIN * len(evidence)
         self._add_evidence([sum(evidence)], [len(evidence)], len(evidence))
 
     def _add_evidence(self, accepted: list[float], reached: list[float], starts: int) -> None:
         """Add per-position counts from `starts` overlapping observations, scaled down to at
         most CATCH_UP_WEIGHT rounds' worth."""
+        self.held = 0
         if starts:
             scale = min(1.0, CATCH_UP_WEIGHT / starts)
             for i, (a, r) in enumerate(zip(accepted, reached)):
@@ -749,6 +792,8 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
     policy.plain_seconds = 0.0
     policy.look_due = True  # FIRST_LOOK
     policy.behind = 0  # a generation's draft starts in step with its target (both prefilled)
+    policy.held = 0
+    policy.prompt_disagrees = False  # (`observe_first`)
     policy.pair = pair
     return policy
 
