@@ -37,7 +37,8 @@ def test_a_new_pair_drafts_one_token_three_times_then_times_plain_rounds():
     """While the draft is in step with the target (after the prefill) exploring costs no
     catch-up: a new pair drafts k = 1 until three rounds are timed (a traced round is not), then
     measures R(0); after a plain round it no longer explores before R(0) is known. R(1) is the
-    median of its timings: one round at 3x does not decide."""
+    median of its timings, R(0) a running mean of plain stretches' medians: one round at 3x
+    decides neither."""
     policy = DraftLengthPolicy()
     assert policy.choose(10) == 1
     policy.update(1, 1, 0.0)  # traced: acceptance only
@@ -54,12 +55,14 @@ def test_a_new_pair_drafts_one_token_three_times_then_times_plain_rounds():
     assert 0 not in policy.round_seconds
     policy.update(0, 0, 1.1)
     assert policy.round_seconds == {0: 1.0, 1: 2.0}  # the first estimate, at once
-    for seconds in (1.2, 1.4, 0.1):  # the rest of the stretch; 0.1 its last round
+    for seconds in (1.2, 3.6, 1.3, 0.1):  # the rest of the stretch, one round at 3x; 0.1 its last
         policy.update(0, 0, seconds)
     assert policy.round_seconds[0] == 1.0  # booked when the stretch ends (or every 8 rounds)
     policy.update(1, 1, 2.0)
-    # the running mean of the middle rounds: 1.0, then 1.1, 1.2, 1.4 (the last, 0.1, left out)
-    assert policy.round_seconds[0] == pytest.approx((1.0 + 1.1 + 1.2 + 1.4) / 4)
+    # the running mean over rounds of the stretches' medians: 1.0 (one round), then the median of
+    # 1.1, 1.2, 3.6, 1.3 for four (the last round, 0.1, left out): the round at 3x does not weigh
+    # (a mean of the rounds, 1.64, would favour drafting as the median R(1) does not)
+    assert policy.round_seconds[0] == pytest.approx((1.0 + 4 * 1.25) / 5)
     other = DraftLengthPolicy()
     other.update(0, 0, 0.0)  # a plain round first (untimed): the draft is now behind
     assert other.choose(10) == 0

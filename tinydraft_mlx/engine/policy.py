@@ -11,25 +11,28 @@ Both sides are measured online, not assumed:
   round (and by `PLAIN_DECAY` at every plain one where the loop `looks`, below) so that the
   estimate follows the text; a position with little data borrows strength from the pooled rate
   (posterior mean under a prior of weight `prior_strength` centred on it).
-- R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median:
-  on a shared machine a round now and then takes 2-3x its usual time); timings older than
-  `STALE_ROUNDS` rounds give way to k's next one, and a look (below) judges a k whose timings are
-  that old at the lowest R(k) / R(0) measured here, so that it is timed afresh where that would
-  pay (a busy moment's timings of R(1) at 2x otherwise kept a warm process plain for good: plain
-  rounds never re-time R(1), and each look judged drafting on the same stale cost). R(0) is
-  the mean of a stretch of plain rounds without its first and last rounds, booked every
-  `STRETCH_BOOK` rounds: pipelined plain rounds are not alike one by one: on MLX's CPU backend the
-  first round of a stretch waits for two steps (its own and the one queued behind it) and the last
-  for almost nothing (demo pair: 6.6, 3.3, ..., 3.3, 0.3 ms). Booked one by one without the first,
-  R(0) came out 20% low (2.6 ms for 3.3) and a fresh process decoded plainly where k = 2 was 1.15x
-  faster. An unmeasured k is interpolated linearly between measured neighbours; beyond the largest
-  measured k it follows the slope of the two largest measured drafting k, or with one only adds
-  draft steps of R(0) * draft_ratio each (draft_ratio: the draft/target prefill time ratio), i.e.
-  it is optimistic (extra verification assumed free) until measured, so a larger k that might pay
-  gets tried once and then judged on its measured cost. The policy never
-  goes beyond twice the largest measured k plus one (timed in this process, once it has timed
-  one: a file's k = 5 let a fresh process try k = 8), so a bad extrapolation costs one modest
-  round, not a k_max-sized one.
+- R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median: on a
+  shared machine a round now and then takes 2-3x its usual time); timings older than `STALE_ROUNDS`
+  rounds give way to k's next one, and a look (below) judges a k whose timings are that old at the
+  lowest R(k) / R(0) measured here, so that it is timed afresh where that would pay (a busy moment's
+  timings of R(1) at 2x otherwise kept a warm process plain for good: plain rounds never re-time
+  R(1), and each look judged drafting on the same stale cost). R(0) is a running mean over rounds of
+  the medians of stretches of plain rounds without their first and last rounds, booked every
+  `STRETCH_BOOK` rounds. Medians on both sides, so that a round at 2-3x counts for neither (a mean
+  R(0) ran ~5% above the median R(k) under this machine's noise, an offset that favoured drafting),
+  and R(k) over `RECENT` = 15 timings (over 7 its sampling noise flipped drafting that paid to
+  plain, for up to STALE_ROUNDS rounds at a time; replayed in docs/design.md). Pipelined plain
+  rounds are not alike one by one: on MLX's CPU backend the first round of a stretch waits for two
+  steps (its own and the one queued behind it) and the last for almost nothing (demo pair: 6.6, 3.3,
+  ..., 3.3, 0.3 ms). Booked one by one without the first, R(0) came out 20% low (2.6 ms for 3.3) and
+  a fresh process decoded plainly where k = 2 was 1.15x faster. An unmeasured k is interpolated
+  linearly between measured neighbours; beyond the largest measured k it follows the slope of the
+  two largest measured drafting k, or with one only adds draft steps of R(0) * draft_ratio each
+  (draft_ratio: the draft/target prefill time ratio), i.e. it is optimistic (extra verification
+  assumed free) until measured, so a larger k that might pay gets tried once and then judged on its
+  measured cost. The policy never goes beyond twice the largest measured k plus one (timed in this
+  process, once it has timed one: a file's k = 5 let a fresh process try k = 8), so a bad
+  extrapolation costs one modest round, not a k_max-sized one.
 
 A new pair's first rounds draft one token, timed three times, unless the evidence already says
 its first position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target
@@ -145,7 +148,7 @@ EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does 
 CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
 CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions count for at most
 STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their mean round)
-RECENT = 7  # a drafting k's cost R(k): the median of its last RECENT timings in this process
+RECENT = 15  # a drafting k's cost R(k): the median of its last RECENT timings in this process
 PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
 FIRST_LOOK = 8  # plain rounds after which a generation's first stretch looks at its text
 HORIZON = 32  # tokens over which a Thompson draw's gain must repay a switch to drafting
@@ -249,7 +252,7 @@ class DraftLengthPolicy:
         self.round_seconds, self.timed = self.costs.round_seconds, self.costs.timed
         self.probe_budget = probe_budget
         self.plain_seconds = 0.0  # time in plain rounds since speculation was last tried
-        self.stretch = [0.0, 0]  # seconds and timed rounds of plain rounds not yet booked
+        self.stretch: list[float] = []  # seconds of the plain rounds not yet booked
         self.pending: float | None = None  # the latest plain round's seconds (if not the last)
         self.behind = 0  # plain rounds since the last drafting round (the draft missed them)
         self.rng = random.Random(0)  # Thompson draws (seeded: a run's choices are repeatable)
@@ -597,11 +600,9 @@ class DraftLengthPolicy:
             if self.behind <= 1:  # a stretch's first round: two steps' wait (the loop does
                 return  # not time it either)
             if self.pending is not None:  # not the stretch's last round after all
-                self.stretch[0] += self.pending
-                self.stretch[1] += 1
+                self.stretch.append(self.pending)
             self.pending = seconds
-            if self.stretch[1] and (0 not in self.costs.here
-                                    or self.stretch[1] >= STRETCH_BOOK):
+            if self.stretch and (0 not in self.costs.here or len(self.stretch) >= STRETCH_BOOK):
                 self._book_stretch()  # the first estimate at once: nothing is chosen without it
             return
         self._book(k, seconds, 1)
@@ -667,10 +668,11 @@ class DraftLengthPolicy:
         self._book_stretch()
 
     def _book_stretch(self) -> None:
-        seconds, rounds = self.stretch
-        if rounds:
-            self.stretch = [0.0, 0]
-            self._book(0, seconds / rounds, rounds)
+        """Book the plain rounds not yet booked at their median (as R(k) is a median: a round at
+        2-3x now and then must not weigh on one side only)."""
+        if self.stretch:
+            rounds, self.stretch = self.stretch, []
+            self._book(0, statistics.median(rounds), len(rounds))
 
     def _book(self, k: int, seconds: float, rounds: int) -> None:
         """Fold `rounds` rounds of `seconds` each into R(k); the first timing of k in this
@@ -695,7 +697,7 @@ class DraftLengthPolicy:
                 ratio = self.round_seconds[k] / self.round_seconds[0]
                 costs.best_ratio[k] = min(costs.best_ratio.get(k, ratio), ratio)
             return
-        # plain rounds (booked as a stretch's mean, many rounds each): a running mean at first,
+        # plain rounds (booked as a stretch's median, many rounds each): a running mean at first,
         # then a moving average of weight `smoothing` per round
         old = self.round_seconds.get(k, 0.0)
         weight = max(1.0 - (1.0 - self.smoothing) ** rounds, rounds / self.timed[k])
