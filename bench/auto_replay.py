@@ -138,10 +138,12 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
     if fixed is None:
         if policy is None:
             policy = new_policy(policy_module, seed)
-        # a generation's start, as `shared_policy` sets it
-        policy.plain_seconds, policy.behind = 0.0, 0
-        if hasattr(policy, "look_due"):
-            policy.look_due = True
+        if hasattr(policy, "start_generation"):  # a generation's start, as in the loop
+            policy.start_generation()
+        else:  # a policy from before `start_generation` (`--policy`)
+            policy.plain_seconds, policy.behind = 0.0, 0
+            if hasattr(policy, "look_due"):
+                policy.look_due = True
         policy.observe_first(text["prompt_evidence"])
     else:
         policy = None

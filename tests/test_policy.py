@@ -648,7 +648,7 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     policy.looks = True
     run, r = Looking(), 0
     for _ in range(max(1, generations)):
-        policy.look_due, policy.behind = True, 0  # a generation's start (`shared_policy`)
+        policy.start_generation()  # as `shared_policy` starts one
         emitted = 0
         while (emitted < tokens) if generations else (r < rounds):
             limit = tokens - 1 - emitted if generations else 1000

@@ -347,6 +347,16 @@ class DraftLengthPolicy:
         ]
 
     # -- decisions -------------------------------------------------------------------------------
+    def start_generation(self) -> None:
+        """A generation starts: its draft is in step with its target (both prefilled), its first
+        plain stretch has not looked at its text yet (FIRST_LOOK), no plain time has earned a
+        probe, no plain choice holds, and its prompt has said nothing yet (`observe_first`)."""
+        self.plain_seconds = 0.0
+        self.look_due = True
+        self.behind = 0
+        self.held = 0
+        self.prompt_disagrees = False
+
     def choose(self, limit: int, caught_up: bool = False) -> int:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
         `caught_up`: the draft has just caught up on the plain rounds it missed (a look), so it
@@ -791,11 +801,7 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
     if pair is None or not pair.holds(target, draft):
         pair = _SHARED[key] = _Pair(target, draft, _store_key(target, draft))
     policy = pair.policy(regime, draft_ratio)
-    policy.plain_seconds = 0.0
-    policy.look_due = True  # FIRST_LOOK
-    policy.behind = 0  # a generation's draft starts in step with its target (both prefilled)
-    policy.held = 0
-    policy.prompt_disagrees = False  # (`observe_first`)
+    policy.start_generation()
     policy.pair = pair
     return policy
 
