@@ -637,11 +637,10 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
     after plain rounds first catches the draft up (priced `catch_up` s, booked as its 16
     positions' predictions), then chooses again, `caught_up`; every prediction and every draft
-    position is accepted with probability `alpha`. `cost(r, k)`: seconds of
-    round r drafting k. Either `rounds` rounds of one endless generation, or `generations`
-    generations of `tokens` tokens each (each starts as `shared_policy` starts one, and a round
-    may emit the tokens left). `budget=False`: no budgeted probe (its budget is spent every
-    round)."""
+    position is accepted with probability `alpha`. `cost(r, k)`: seconds of round r drafting k.
+    Either `rounds` rounds of one endless generation, or `generations` generations of `tokens`
+    tokens each (each starts as `shared_policy` starts one, and a round may emit the tokens
+    left). `budget=False`: no budgeted probe (its budget is spent every round)."""
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
 
     rng = random.Random(seed)
@@ -718,14 +717,15 @@ def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, mon
         return choose(self, *args)
 
     monkeypatch.setattr(DraftLengthPolicy, "_choose", counted)
-    runs = {}
-    for hold in (1, policy_module.HOLD_ROUNDS):
-        monkeypatch.setattr(policy_module, "HOLD_ROUNDS", hold)
-        runs[hold] = [looking_simulation(_near_break_even(0.0, 0.0, 0), alpha,
-                                         lambda r, k: 1.0 + k / 2, generations=20, tokens=128,
-                                         catch_up=0.7, seed=seed) for seed in (1, 2, 3)]
-    every, held = runs[1], runs[hold]
+    hold = policy_module.HOLD_ROUNDS
     assert hold > 1
+    runs = {}
+    for rounds in (1, hold):
+        monkeypatch.setattr(policy_module, "HOLD_ROUNDS", rounds)
+        runs[rounds] = [looking_simulation(_near_break_even(0.0, 0.0, 0), alpha,
+                                           lambda r, k: 1.0 + k / 2, generations=20, tokens=128,
+                                           catch_up=0.7, seed=seed) for seed in (1, 2, 3)]
+    every, held = runs[1], runs[hold]
     if alpha == 0.4:
         for a, b in zip(every, held):
             assert abs((b.tokens / b.seconds) / (a.tokens / a.seconds) - 1) <= 0.01

@@ -389,9 +389,13 @@ class DraftLengthPolicy:
         and new evidence (a look, a drafting round, a generation's prompt) ends a hold at once."""
         if limit < HORIZON:  # no probe in a generation's last HORIZON tokens
             return False
-        switch = (self.costs.switch_cost(self.behind) if self.costs.switches
-                  else self.round_seconds[0])
-        return self.plain_seconds * self.probe_budget >= switch
+        return self.plain_seconds * self.probe_budget >= self._switch_price()
+
+    def _switch_price(self) -> float:
+        """Seconds a switch to drafting costs now: the draft's catch-up on the plain rounds it
+        missed (`RoundCosts.switch_cost`), priced as a plain round before any was timed."""
+        return self.costs.switch_cost(self.behind) if self.costs.switches \
+            else self.round_seconds[0]
 
     def _choose(self, limit: int, caught_up: bool) -> int:
         remaining = limit  # tokens the generation may still emit after this one
@@ -419,8 +423,7 @@ class DraftLengthPolicy:
         if rates[best] > plain_rate:
             self.plain_seconds = 0.0
             return best
-        switch = (self.costs.switch_cost(self.behind) if self.costs.switches
-                  else self.round_seconds[0])
+        switch = self._switch_price()
         measured = [k for k in rates if k <= max(self.timed)]
         # Thompson sampling where the draft is in step (it drafted last round, or has just caught
         # up): drafting goes on unless a draw says it loses more over HORIZON tokens than a
