@@ -640,7 +640,8 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     position is accepted with probability `alpha`. `cost(r, k)`: seconds of round r drafting k.
     Either `rounds` rounds of one endless generation, or `generations` generations of `tokens`
     tokens each (each starts as `shared_policy` starts one, and a round may emit the tokens
-    left). `budget=False`: no budgeted probe (its budget is spent every round)."""
+    left). `budget=False`: no budgeted probe (its budget is spent every round). `alpha` may be
+    a function of the round: the text's acceptance then."""
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
 
     rng = random.Random(seed)
@@ -653,14 +654,15 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
             limit = tokens - 1 - emitted if generations else 1000
             if not budget:
                 policy.plain_seconds = 0.0
+            now = alpha(r) if callable(alpha) else alpha
             k, looked = policy.choose(limit), 0.0
             if k > 0 and policy.behind > 0:
                 run.looked.append(r)
                 looked = catch_up
-                policy.observe([float(rng.random() < alpha) for _ in range(CATCH_UP_EVIDENCE)])
+                policy.observe([float(rng.random() < now) for _ in range(CATCH_UP_EVIDENCE)])
                 k = policy.choose(limit, caught_up=True)
             n = 0
-            while n < k and rng.random() < alpha:
+            while n < k and rng.random() < now:
                 n += 1
             seconds = cost(r, k)
             policy.update(k, n, seconds, catch_up=looked)
@@ -693,6 +695,29 @@ def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
     # look, after FIRST_LOOK plain rounds where its first two drafts were rejected)
     assert ks[10:40].count(1) >= 25 and ks[40:50].count(1) >= 3, ks[:50]
     assert ks[-200:].count(1) >= 150, Counter(ks[-200:])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_fresh_process_whose_first_drafts_were_timed_in_a_busy_moment_drafts_again(seed):
+    """A new pair (no costs, the prompt's evidence at 0.5): its first three rounds draft k = 1,
+    then plain rounds measure R(0). The machine is busy for the first 8 rounds (every round at
+    2x: R(1) booked at 3, R(0)'s first estimate at 2), the text's first 40 tokens are hard
+    (nothing accepted: its first look finds plain decoding better), then k = 1 pays (acceptance
+    0.7, a round at 1.5 plain ones). R(0) follows the machine back to 1 while R(1) stays at its
+    busy 3: a stale cost is judged at its lowest R(1) / R(0), but the first drafts were timed
+    before R(0) had been, so there was none, and the process stayed plain for good (the last
+    300 rounds, every seed). Their ratio over R(0)'s first estimate (1.5) lets a later look time
+    k = 1 afresh."""
+    policy = DraftLengthPolicy(4)
+    policy.accepted[0], policy.rejected[0] = 4.0, 4.0
+
+    def cost(r: int, k: int) -> float:
+        return (1.0 if k == 0 else 1.0 + k / 2) * (2.0 if r < 8 else 1.0)
+
+    ks = looking_simulation(policy, lambda r: 0.0 if r < 40 else 0.7, cost, 600, seed=seed).ks
+    assert ks[:4] == [1, 1, 1, 0], ks[:4]
+    assert policy.costs.best_ratio[1] == pytest.approx(1.5), policy.costs.best_ratio
+    assert sum(k > 0 for k in ks[-300:]) >= 250, Counter(ks[-300:])
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.4, 0.7])

@@ -14,7 +14,8 @@ Both sides are measured online, not assumed:
 - R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median: on a
   shared machine a round now and then takes 2-3x its usual time); timings older than `STALE_ROUNDS`
   rounds give way to k's next one, and a look (below) judges a k whose timings are that old at the
-  lowest R(k) / R(0) measured here, so that it is timed afresh where that would pay (a busy moment's
+  lowest R(k) / R(0) measured here (for a k timed before R(0), over R(0)'s first estimate, taken
+  on the plain rounds right after), so that it is timed afresh where that would pay (a busy moment's
   timings of R(1) at 2x otherwise kept a warm process plain for good: plain rounds never re-time
   R(1), and each look judged drafting on the same stale cost). R(0) is a running mean over rounds of
   the medians of stretches of plain rounds without their first and last rounds, booked every
@@ -715,6 +716,14 @@ class DraftLengthPolicy:
         old = self.round_seconds.get(k, 0.0)
         weight = max(1.0 - (1.0 - self.smoothing) ** rounds, rounds / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
+        if self.timed[k] == rounds:  # R(0)'s first booking here: the drafting k timed before it
+            # (a new pair's first rounds) get their R(k) / R(0) too, over the plain rounds right
+            # after them. Without it a cost timed in a busy moment at the start had no ratio a
+            # look could hope for, and kept a fresh process plain for the rest of its generation
+            # once R(0) had followed the machine back (R(1) at 2x, measured twice in the loop)
+            for j in self.costs.here - {0}:
+                ratio = self.round_seconds[j] / self.round_seconds[0]
+                self.costs.best_ratio[j] = min(self.costs.best_ratio.get(j, ratio), ratio)
 
 
 class _Pair:
