@@ -3,6 +3,7 @@ max_tokens below k, and the statistics' invariants."""
 
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -475,6 +476,58 @@ def test_prefill_predicts_after_its_last_tokens_across_chunks(pair):
         else:
             assert got is None
         assert cache_length(cache) == len(ids)
+
+
+def test_prefill_sends_only_the_predicted_rows_through_the_head(pair, demo, monkeypatch):
+    """k="auto" predicts after the last tokens of every prompt and every catch-up: where a
+    model's head can be taken apart (an mlx-lm Qwen2 with its own LM head or tied embeddings,
+    a pruned draft) the tokens run in one forward per chunk of `step` and only the predicted
+    rows go through the head, whose logits are the whole forward's there; a model whose
+    head is unknown gets a chunk that ends where the rows begin (two forwards), as before."""
+    from tinydraft_mlx.engine import forward as forward_module
+    from tinydraft_mlx.engine.pruning import DEMO_COUNTS, prune_draft
+
+    target, _, tok = pair
+    demo_target, demo_draft, demo_tok = demo
+
+    class Unknown(nn.Module):  # a head this module does not know: the forward as a whole
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.args = inner, None
+
+        def __call__(self, inputs, cache=None):
+            return self.inner(inputs, cache=cache)
+
+        @property
+        def layers(self):
+            return self.inner.layers
+
+    models = {"untied": (target, tok), "tied": (demo_target, demo_tok),
+              "pruned": (prune_draft(demo_draft, demo_tok, 300, DEMO_COUNTS), demo_tok),
+              "unknown": (Unknown(target), tok)}
+    for name, (model, tokenizer) in models.items():
+        body = (model.inner if name == "unknown" else model).model
+        calls, forward = [], type(body).__call__
+
+        def counted(self, *args, _forward=forward, _calls=calls, **kwargs):
+            _calls.append(1)
+            return _forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(body), "__call__", counted)
+        ids = tokenizer.encode(PROMPT)
+        assert len(ids) > 8
+        whole = model(mx.array(ids)[None], cache=make_cache(model))[0]
+        for step, predict in [(512, 6), (4, 6), (512, len(ids))]:
+            calls.clear()
+            cache = make_cache(model)
+            got = forward_module.prefill(model, cache, ids, step=step, predict=predict)
+            assert got.shape == (predict, whole.shape[-1]), name
+            assert np.allclose(np.array(got), np.array(whole[-predict:]), atol=1e-4), name
+            assert cache_length(cache) == len(ids)
+            if step == 512:  # one chunk, split where the head is unknown and rows are left out
+                split = name == "unknown" and predict < len(ids)
+                assert len(calls) == (2 if split else 1), (name, predict, len(calls))
+        monkeypatch.undo()
 
 
 class _Looking(ScriptedPolicy):

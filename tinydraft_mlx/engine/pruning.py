@@ -157,9 +157,13 @@ class PrunedDraft(nn.Module):
         return self._kept.tolist()
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        small = self.head(self.model(inputs, cache=cache))  # (B, L, N)
+        return self.head_logits(self.model(inputs, cache=cache))
+
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the whole vocabulary (-inf outside the kept ids) from hidden states."""
+        small = self.head(hidden)  # (..., N)
         out = mx.full((*small.shape[:-1], self._width), -mx.inf, dtype=small.dtype)
-        out[..., self._kept] = small  # (B, L, vocab)
+        out[..., self._kept] = small  # (..., vocab)
         return out
 
 
