@@ -124,6 +124,7 @@ under another process's load.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import random
@@ -268,6 +269,7 @@ class DraftLengthPolicy:
         self.prompt_disagrees = False
         # within one `choose` (the costs do not change): the costs in use, each k's round cost
         self._known: dict[int, float] | None = None
+        self._ks: list[int] = []  # its k, sorted
         self._memo: dict[int, float] = {}
         self.held = 0  # further plain rounds the latest plain choice stands for (`choose`)
 
@@ -289,11 +291,10 @@ class DraftLengthPolicy:
     def _round_cost(self, k: int, known: dict[int, float]) -> float:
         if k in known:
             return known[k]
-        ks = sorted(known)
-        below = [j for j in ks if j < k]
-        above = [j for j in ks if j > k]
-        if below and above:  # interpolate
-            lo, hi = below[-1], above[0]
+        ks = self._ks if known is self._known else sorted(known)
+        at = bisect.bisect(ks, k)  # ks[:at] are below k, ks[at:] above
+        if 0 < at < len(ks):  # interpolate
+            lo, hi = ks[at - 1], ks[at]
             w = (k - lo) / (hi - lo)
             return known[lo] * (1 - w) + known[hi] * w
         # beyond the largest measured k: the measured slope of the two largest drafting k, else
@@ -301,10 +302,10 @@ class DraftLengthPolicy:
         # of the two: where a draft position costs far more than the prefill ratio says (a
         # draft step 0.4x a plain round, measured 2.5 ms a position), every larger k looked
         # cheap in turn and a warm policy tried k = 5, 7, 8 at 15-19 ms a round
-        hi = below[-1]
+        hi = ks[at - 1]
         slope = known[0] * self.draft_ratio
-        if len(below) >= 2 and below[-2] >= 1:
-            lo = below[-2]
+        if at >= 2 and ks[at - 2] >= 1:
+            lo = ks[at - 2]
             slope = max(0.0, (known[hi] - known[lo]) / (hi - lo))
         return known[hi] + slope * (k - hi)
 
@@ -370,6 +371,7 @@ class DraftLengthPolicy:
         # each round cost once per choice (called every round, its time overlapping the queued
         # step's: at 34 us with every cost recomputed per use it cost sampled plain rounds ~3%)
         self._known, self._memo = self._costs_in_use(), {}
+        self._ks = sorted(self._known)
         try:
             k = self._choose(limit, caught_up)
         finally:
@@ -414,10 +416,11 @@ class DraftLengthPolicy:
         reach = 2 * max(self._known) + 1  # twice the largest k timed, plus one
         alphas = self.acceptance_means()
         plain_rate = 1.0 / self.round_seconds[0]
-        rates = {
-            k: self.expected_tokens(alphas, k) / self.round_cost(k)
-            for k in range(1, min(limit, reach) + 1)
-        }
+        rates, tokens, reached = {}, 1.0, 1.0  # E(k) built up over k (`expected_tokens`)
+        for k in range(1, min(limit, reach) + 1):
+            reached *= alphas[k - 1]
+            tokens += reached
+            rates[k] = tokens / self.round_cost(k)
         if not rates:
             return 0
         best = max(rates, key=lambda k: (rates[k], -k))
