@@ -247,9 +247,14 @@ def test_a_catch_ups_predictions_are_booked_as_runs_of_accepted_drafts():
 
 
 def test_the_prompts_evidence_is_about_the_first_position():
+    """16 prompt tokens count for PROMPT_WEIGHT = 4 rounds (half a look's), or 8 where they say
+    the draft is rarely right (fewer than EXPLORE_MIN agree)."""
     policy = DraftLengthPolicy(4)
     policy.observe_first([True] * 12 + [False] * 4)
-    assert policy.accepted == [6.0, 0.0, 0.0, 0.0] and policy.rejected == [2.0, 0.0, 0.0, 0.0]
+    assert policy.accepted == [3.0, 0.0, 0.0, 0.0] and policy.rejected == [1.0, 0.0, 0.0, 0.0]
+    hopeless = DraftLengthPolicy(4)
+    hopeless.observe_first([True] * 4 + [False] * 12)
+    assert hopeless.accepted == [2.0, 0.0, 0.0, 0.0] and hopeless.rejected == [6.0, 0.0, 0.0, 0.0]
 
 
 def test_a_hopeless_draft_by_the_prompts_evidence_is_not_explored():

@@ -95,21 +95,21 @@ on a 2-core CPU whose cores run MLX's compute) is made every `HOLD_ROUNDS` round
 probe and a generation's first look are still taken the round they fall due, and a drafting round
 or new evidence ends a hold.
 
-The loop looks before it leaps (`looks`; without logits processors, on one rank): a round
-after plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE`
-it caught up on the probability that a one-token draft there would have been accepted
-(`observe`; greedy: whether the draft's argmax was the token that followed, exactly where and how
-far a greedy draft would have been accepted; sampled: sum min(p, q) of the warped distributions,
-with the target's p kept from the plain steps), and chooses again; a probe that finds
-speculation hopeless costs the catch-up only. A generation's start books the same kind of
-evidence for the first position from the prompt (`observe_first`: target and draft after its
-last `PROMPT_EVIDENCE` tokens), so that a new pair whose draft is hopeless does not explore at
-all. Greedy, a round accepted whole also tells whether one more draft position would have been
-accepted (`observe_beyond`: the next round's first draft step feeds d_k and the target's token
-after it, so the draft's argmax after d_k comes with it): a policy drafting k learns
-alpha_(k+1) without drafting k + 1. Without it, k = 1 rounds never reached position 2, whose
-acceptance was then assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is
-0.85-0.9 given the first).
+The loop looks before it leaps (`looks`; without logits processors, on one rank): a round after
+plain rounds first catches the draft up, books per token of the last `CATCH_UP_EVIDENCE` it caught
+up on the probability that a one-token draft there would have been accepted (`observe`; greedy:
+whether the draft's argmax was the token that followed, exactly where and how far a greedy draft
+would have been accepted; sampled: sum min(p, q) of the warped distributions, with the target's p
+kept from the plain steps), and chooses again; a probe that finds speculation hopeless costs the
+catch-up only. A generation's start books the same kind of evidence for the first position from the
+prompt (`observe_first`: target and draft after its last `PROMPT_EVIDENCE` tokens; half a look's
+weight, a look's where it says the draft is rarely right), so that a new pair whose draft is
+hopeless does not explore at all. Greedy, a round accepted whole also tells whether one more draft
+position would have been accepted (`observe_beyond`: the next round's first draft step feeds d_k and
+the target's token after it, so the draft's argmax after d_k comes with it): a policy drafting k
+learns alpha_(k+1) without drafting k + 1. Without it, k = 1 rounds never reached position 2, whose
+acceptance was then assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is 0.85-0.9
+given the first).
 
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
@@ -149,6 +149,7 @@ PROMPT_EVIDENCE = 16  # the last prompt tokens whose predictions by target and d
 EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does not explore
 CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
 CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions count for at most
+PROMPT_WEIGHT = 4.0  # ... and a prompt's, unless they say the draft is rarely right (then 8)
 STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their median round)
 RECENT = 15  # a drafting k's cost R(k): the median of its last RECENT timings in this process
 PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
@@ -660,20 +661,29 @@ class DraftLengthPolicy:
                 self.rejected[position] += 1.0
 
     def observe_first(self, evidence: list[float]) -> None:
-        """Book evidence on the first draft position only: per prompt token, the probability
-        that a one-token draft after it would have been accepted (greedy: target and draft
-        predicting alike; sampled: sum min(p, q)), at most CATCH_UP_WEIGHT rounds' worth. Where
-        they agree on fewer than EXPLORE_MIN of it, the generation's first plain stretch does not
-        look at its text whatever the evidence says (`_choose`): only where a look is worth it."""
+        """Book evidence on the first draft position only: per prompt token, the probability that a
+        one-token draft after it would have been accepted (greedy: target and draft predicting
+        alike; sampled: sum min(p, q)). Where they agree on fewer than EXPLORE_MIN of it, it counts
+        for CATCH_UP_WEIGHT rounds (a look's), and the generation's first plain stretch does not
+        look at its text whatever the evidence says (`_choose`): only where a look is worth it.
+        Otherwise it counts for PROMPT_WEIGHT rounds, half a look's: a prompt (instructions, a
+        question) is not the text being written (on the demo pair's texts the prompt's agreement,
+        0.38-0.69, did not rank the texts' acceptance, 0.46-0.80); at full weight the fresh
+        benchmark's first look put the first position at 0.51 where its text gives 0.68. Replayed
+        (bench/auto_replay.py): fresh texts where k = 1 pays +0.1-0.5%, no other cell moved beyond
+        +-0.2%; weighting a disagreeing prompt less too cost -0.9% where the prompt misleads and
+        -0.7% on an always-rejected draft."""
         self.prompt_disagrees = bool(evidence) and sum(evidence) < EXPLORE_MIN * len(evidence)
-        self._add_evidence([sum(evidence)], [len(evidence)], len(evidence))
+        weight = CATCH_UP_WEIGHT if self.prompt_disagrees else PROMPT_WEIGHT
+        self._add_evidence([sum(evidence)], [len(evidence)], len(evidence), weight)
 
-    def _add_evidence(self, accepted: list[float], reached: list[float], starts: int) -> None:
+    def _add_evidence(self, accepted: list[float], reached: list[float], starts: int,
+                      weight: float = CATCH_UP_WEIGHT) -> None:
         """Add per-position counts from `starts` overlapping observations, scaled down to at
-        most CATCH_UP_WEIGHT rounds' worth."""
+        most `weight` rounds' worth."""
         self.held = 0
         if starts:
-            scale = min(1.0, CATCH_UP_WEIGHT / starts)
+            scale = min(1.0, weight / starts)
             for i, (a, r) in enumerate(zip(accepted, reached)):
                 self.accepted[i] += scale * a
                 self.rejected[i] += scale * (r - a)
