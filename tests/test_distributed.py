@@ -58,9 +58,11 @@ def ranks_work(tmp_path_factory):
     if _launcher() is None:
         pytest.skip("mlx.launch is not installed")
     probe = tmp_path_factory.mktemp("probe") / "probe.py"
-    probe.write_text("import mlx.core as mx\ng = mx.distributed.init()\n"
-                     "print('size', g.size(), mx.distributed.all_sum(mx.array(1), "
-                     "stream=mx.cpu).item())\n")
+    # one write per rank: with unbuffered output (PYTHONUNBUFFERED), print's pieces from the two
+    # ranks interleaved ("size size 2 2") and the module was skipped on a machine where it runs
+    probe.write_text("import sys\nimport mlx.core as mx\ng = mx.distributed.init()\n"
+                     "total = mx.distributed.all_sum(mx.array(1), stream=mx.cpu).item()\n"
+                     "sys.stdout.write(f'size {g.size()} {total}\\n')\n")
     try:
         result = launch(str(probe), timeout=60)
     except subprocess.TimeoutExpired:
