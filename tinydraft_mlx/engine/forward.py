@@ -223,21 +223,30 @@ def model_inputs(model: nn.Module, tokens: list[int]) -> list[int]:
     return tokens if width is None else [min(t, width - 1) for t in tokens]
 
 
+def head_module(model: nn.Module) -> nn.Module | None:
+    """The module of an mlx-lm model that holds its LM head: its tied embeddings
+    (`.model.embed_tokens`, config `tie_word_embeddings`) or `lm_head`; None where the model has
+    no `.model` body or no such module."""
+    body = getattr(model, "model", None)
+    if body is None:
+        return None
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        return getattr(body, "embed_tokens", None)
+    return getattr(model, "lm_head", None)
+
+
 def _head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     """The model's LM head (hidden states -> logits) where its forward is `.model` (the body:
     tokens, cache -> hidden states) then that head: a model that says so (`head_logits`, e.g. a
-    pruned draft), or an mlx-lm model of a SUPPORTED architecture (tied embeddings or
-    `lm_head`); None elsewhere."""
+    pruned draft), or an mlx-lm model of a SUPPORTED architecture (`head_module`: tied
+    embeddings, applied `as_linear`, or `lm_head`); None elsewhere."""
     if getattr(model, "model", None) is None:
         return None
     own = getattr(model, "head_logits", None)
     if callable(own):
         return own
-    if _model_type(model) not in SUPPORTED:
-        return None
-    if getattr(model.args, "tie_word_embeddings", False):
-        return model.model.embed_tokens.as_linear
-    return getattr(model, "lm_head", None)
+    source = head_module(model) if _model_type(model) in SUPPORTED else None
+    return getattr(source, "as_linear", source)
 
 
 def prefill(

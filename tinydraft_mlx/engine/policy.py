@@ -720,9 +720,7 @@ class DraftLengthPolicy:
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
             self.round_seconds[k] = statistics.median(recent)
-            if self.round_seconds.get(0, 0.0) > 0:
-                ratio = self.round_seconds[k] / self.round_seconds[0]
-                costs.best_ratio[k] = min(costs.best_ratio.get(k, ratio), ratio)
+            self._note_ratio(k)
             return
         # plain rounds (booked as a stretch's median, many rounds each): a running mean at first,
         # then a moving average of weight `smoothing` per round
@@ -735,8 +733,14 @@ class DraftLengthPolicy:
             # look could hope for, and kept a fresh process plain for the rest of its generation
             # once R(0) had followed the machine back (R(1) at 2x, measured twice in the loop)
             for j in self.costs.here - {0}:
-                ratio = self.round_seconds[j] / self.round_seconds[0]
-                self.costs.best_ratio[j] = min(self.costs.best_ratio.get(j, ratio), ratio)
+                self._note_ratio(j)
+
+    def _note_ratio(self, k: int) -> None:
+        """Keep R(k) / R(0) now if it is the lowest measured here (`RoundCosts.best_ratio`;
+        nothing before R(0) is known)."""
+        if self.round_seconds.get(0, 0.0) > 0:
+            ratio = self.round_seconds[k] / self.round_seconds[0]
+            self.costs.best_ratio[k] = min(self.costs.best_ratio.get(k, ratio), ratio)
 
 
 class _Pair:

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .drafters import resolve_drafter
+from .forward import head_module
 from .sampling import ParameterError
 
 FORMAT = "tinydraft-mlx token counts 1"
@@ -98,13 +99,8 @@ def kept_ids(counts: list[int], n: int, width: int) -> list[int]:
 
 
 def _head_source(draft: nn.Module) -> nn.Module:
-    args = getattr(draft, "args", None)
-    body = getattr(draft, "model", None)
-    if getattr(args, "tie_word_embeddings", False):
-        head = getattr(body, "embed_tokens", None)
-    else:
-        head = getattr(draft, "lm_head", None)
-    if body is None or head is None:
+    head = head_module(draft)
+    if head is None:
         raise VocabError(f"cannot prune the head of a {type(draft).__name__}: draft_vocab needs "
                          "an mlx-lm model with .model and an LM head (lm_head or tied embeddings)")
     return head
