@@ -702,26 +702,47 @@ def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
     assert ks[-200:].count(1) >= 150, Counter(ks[-200:])
 
 
+def test_a_new_pair_that_looks_first_starts_plain_and_times_k1_after_its_first_look():
+    """Where the loop looks before it leaps, a new pair (no costs, the prompt's evidence at 0.5)
+    decodes its first FIRST_LOOK rounds plainly (R(0) timed first), looks at the text then, and
+    times k = 1 in step right after the look, next to R(0)'s timings: not on the first tokens
+    after the prompt, often the hardest (the fresh benchmark's first three drafts were rejected
+    in every run, and R(1) timed there ran 8% above the same process's later R(1) / R(0))."""
+    from tinydraft_mlx.engine.policy import EXPLORE_TIMES, FIRST_LOOK
+
+    policy = DraftLengthPolicy(4)
+    policy.accepted[0], policy.rejected[0] = 2.0, 2.0
+    run = looking_simulation(policy, 0.7, lambda r, k: 1.0 + k / 2, generations=1, tokens=128)
+    assert run.ks[:FIRST_LOOK] == [0] * FIRST_LOOK, run.ks[:12]
+    assert run.looked[0] == FIRST_LOOK and run.ks[FIRST_LOOK] > 0, (run.looked, run.ks[:12])
+    assert all(k > 0 for k in run.ks[FIRST_LOOK : FIRST_LOOK + EXPLORE_TIMES]), run.ks[:16]
+    assert sum(k > 0 for k in run.ks) >= 0.8 * len(run.ks), run.ks
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_fresh_process_whose_first_drafts_were_timed_in_a_busy_moment_drafts_again(seed):
-    """A new pair (no costs, the prompt's evidence at 0.5): its first three rounds draft k = 1,
-    then plain rounds measure R(0). The machine is busy for the first 8 rounds (every round at
-    2x: R(1) booked at 3, R(0)'s first estimate at 2), the text's first 40 tokens are hard
-    (nothing accepted: its first look finds plain decoding better), then k = 1 pays (acceptance
-    0.7, a round at 1.5 plain ones). R(0) follows the machine back to 1 while R(1) stays at its
-    busy 3: a stale cost is judged at its lowest R(1) / R(0), but the first drafts were timed
-    before R(0) had been, so there was none, and the process stayed plain for good (the last
-    300 rounds, every seed). Their ratio over R(0)'s first estimate (1.5) lets a later look time
-    k = 1 afresh."""
+def test_a_pair_whose_first_drafts_were_timed_in_a_busy_moment_drafts_again(seed):
+    """A new pair (no costs, the prompt's evidence at 0.5) whose first generation is too short
+    for a first look (fewer than HORIZON tokens after it): its first three rounds draft k = 1,
+    then plain rounds measure R(0). The machine is busy for that generation (every round at 2x:
+    R(1) booked at 3, R(0)'s first estimate at 2), and the next generation's first 40 tokens are
+    hard (nothing accepted: its first look finds plain decoding better), then k = 1 pays
+    (acceptance 0.7, a round at 1.5 plain ones). R(0) follows the machine back to 1 while R(1)
+    stays at its busy 3: a stale cost is judged at its lowest R(1) / R(0), but the first drafts
+    were timed before R(0) had been, so there was none, and the process stayed plain for good
+    (the last 300 rounds, every seed). Their ratio over R(0)'s first estimate (1.5) lets a later
+    look time k = 1 afresh."""
     policy = DraftLengthPolicy(4)
     policy.accepted[0], policy.rejected[0] = 4.0, 4.0
+    busy = [True]
 
     def cost(r: int, k: int) -> float:
-        return (1.0 if k == 0 else 1.0 + k / 2) * (2.0 if r < 8 else 1.0)
+        return (1.0 if k == 0 else 1.0 + k / 2) * (2.0 if busy[0] else 1.0)
 
-    ks = looking_simulation(policy, lambda r: 0.0 if r < 40 else 0.7, cost, 600, seed=seed).ks
-    assert ks[:4] == [1, 1, 1, 0], ks[:4]
+    short = looking_simulation(policy, 0.0, cost, generations=1, tokens=24, seed=seed).ks
+    assert short[:4] == [1, 1, 1, 0], short[:4]
     assert policy.costs.best_ratio[1] == pytest.approx(1.5), policy.costs.best_ratio
+    busy[0] = False
+    ks = looking_simulation(policy, lambda r: 0.0 if r < 40 else 0.7, cost, 600, seed=seed).ks
     assert sum(k > 0 for k in ks[-300:]) >= 250, Counter(ks[-300:])
 
 

@@ -35,18 +35,28 @@ Both sides are measured online, not assumed:
   process, once it has timed one: a file's k = 5 let a fresh process try k = 8), so a bad
   extrapolation costs one modest round, not a k_max-sized one.
 
-A new pair's first rounds draft one token, timed three times, unless the evidence already says
-its first position is rarely accepted (below `EXPLORE_MIN`) (the draft is in step with the target
-after the prefill: exploring then costs no catch-up); then plain rounds measure R(0) (its first
-estimate is a stretch's second round, once a third shows it was not the last). One unlucky start
-(a traced step, rejected drafts) must not keep a process plain for a whole generation, nor may
-exploring cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process
-5% of its generation there). A process that starts from the policy file does the same: it
-times k = 1 (where the first position is promising) and R(0) itself before its costs decide, and
-k = 1 three times before it concludes plain decoding: the file's costs may have been measured
-under another process's load, and a process that decodes plainly never re-times a drafting k,
-one that drafts never re-times R(0) (a file's R(0) too high kept processes drafting k = 1 at
-acceptance 0.35, where plain decoding was 1.15x faster, for whole generations).
+Where the loop looks before it leaps (below), a new pair's first rounds are plain: they measure
+R(0) (its first estimate is a stretch's second round, once a third shows it was not the last), the
+generation's first look (after `FIRST_LOOK` rounds) books the text's evidence, and k = 1 is then
+timed in step, three times unless the evidence says the first position is rarely accepted (below
+`EXPLORE_MIN`). Drafting the first rounds after the prompt explored on the text's hardest tokens
+(the fresh benchmark's prompt: its first three drafts rejected in every run) and timed R(1) ahead
+of R(0) (in 16 fresh processes the first R(1) / R(0) ran 8% above the same process's later one,
+1.85 against 1.66 where a process then stayed plain). Replayed (bench/auto_replay.py, three noise
+levels, two cost worlds): fresh texts on average -0.3 to +1.0%, the hard-start text +0.9-3.6%,
+texts whose first tokens are drafted well down to -0.8%. Without looks (logits processors, ranks),
+or where a generation is too short for its first look (fewer than `HORIZON` tokens left after it),
+the first rounds draft one token, timed three times unless the evidence says the first position is
+rarely accepted (the draft is in step with the target after the prefill: exploring then costs no
+catch-up); then plain rounds measure R(0). One unlucky start (a traced step, rejected drafts) must
+not keep a process plain for a whole generation, nor may exploring cost much where speculation
+cannot pay (timing k = 1..3 twice each cost a fresh process 5% of its generation there). A process
+that starts from the policy file does the same: it times k = 1 (where the first position is
+promising) and R(0) itself before its costs decide, and k = 1 three times before it concludes plain
+decoding: the file's costs may have been measured under another process's load, and a process that
+decodes plainly never re-times a drafting k, one that drafts never re-times R(0) (a file's R(0) too
+high kept processes drafting k = 1 at acceptance 0.35, where plain decoding was 1.15x faster, for
+whole generations).
 
 When plain decoding wins on the means, speculation is still tried in three ways:
 - where the draft is in step (it drafted the last round, or has just caught up on a look),
@@ -409,6 +419,17 @@ class DraftLengthPolicy:
         # the first position's mean acceptance under a uniform prior: 1/3 after one rejection
         promising = (1.0 + self.accepted[0]) / (2.0 + self.accepted[0] + self.rejected[0]) \
             >= EXPLORE_MIN
+        if self.looks and not caught_up and not self.costs.here - {0} and self.look_due \
+                and not self.prompt_disagrees \
+                and remaining >= HORIZON + max(0, FIRST_LOOK - self.behind):
+            # a new pair that looks first starts plain: R(0), then the generation's first look at
+            # its text (FIRST_LOOK), after which k = 1 is timed in step (`untried` below) next to
+            # R(0)'s timings, on the text being written (module docstring)
+            if 0 not in self.costs.here or self.behind < FIRST_LOOK:
+                return 0
+            self.look_due = False
+            self.plain_seconds = 0.0
+            return 1
         if 0 not in self.costs.here:  # k = 1 while the draft is in step, then R(0), timed here
             # (a file's R(0), measured under another process's load, too high, kept processes
             # drafting k = 1 at acceptance 0.35 for whole generations: drafting never re-times it)
