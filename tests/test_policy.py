@@ -719,6 +719,26 @@ def test_a_new_pair_that_looks_first_starts_plain_and_times_k1_after_its_first_l
     assert sum(k > 0 for k in run.ks) >= 0.8 * len(run.ks), run.ks
 
 
+def test_the_plain_start_does_not_force_a_look_on_every_generation(monkeypatch):
+    """The plain start holds only until the first look falls due; the look itself is the first
+    look's rule's (once, whatever the evidence, before the policy has seen a text; afterwards
+    only where a look is worth it). A warm process whose prompts say 0.5 (not "rarely right")
+    and whose texts are hopeless never times a drafting round: taking the look in the start's
+    own branch forced one every generation (80 looks in 20 generations of 128 tokens, where the
+    rule's own are 61)."""
+    orig = DraftLengthPolicy.start_generation
+
+    def start(self):
+        orig(self)
+        self.observe_first([1.0] * 8 + [0.0] * 8)
+
+    monkeypatch.setattr(DraftLengthPolicy, "start_generation", start)
+    run = looking_simulation(DraftLengthPolicy(4), 0.0, lambda r, k: 1.0 + k / 2,
+                             generations=20, tokens=128)
+    assert run.looks <= 65, run.looks
+    assert not any(run.ks), Counter(run.ks)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_pair_whose_first_drafts_were_timed_in_a_busy_moment_drafts_again(seed):
     """A new pair (no costs, the prompt's evidence at 0.5) whose first generation is too short

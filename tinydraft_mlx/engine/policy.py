@@ -419,17 +419,15 @@ class DraftLengthPolicy:
         # the first position's mean acceptance under a uniform prior: 1/3 after one rejection
         promising = (1.0 + self.accepted[0]) / (2.0 + self.accepted[0] + self.rejected[0]) \
             >= EXPLORE_MIN
-        if self.looks and not caught_up and not self.costs.here - {0} and self.look_due \
-                and not self.prompt_disagrees \
+        look_pending = self.look_due and not self.prompt_disagrees and (
+            0 not in self.costs.here or self.behind < FIRST_LOOK)
+        if self.looks and not caught_up and not self.costs.here - {0} and look_pending \
                 and remaining >= HORIZON + max(0, FIRST_LOOK - self.behind):
-            # a new pair that looks first starts plain: R(0), then the generation's first look at
-            # its text (FIRST_LOOK), after which k = 1 is timed in step (`untried` below) next to
-            # R(0)'s timings, on the text being written (module docstring)
-            if 0 not in self.costs.here or self.behind < FIRST_LOOK:
-                return 0
-            self.look_due = False
-            self.plain_seconds = 0.0
-            return 1
+            # a new pair that looks first starts plain: R(0), until the generation's first look
+            # at its text falls due (FIRST_LOOK, taken below), after which k = 1 is timed in step
+            # (`untried` below) next to R(0)'s timings, on the text being written (module
+            # docstring)
+            return 0
         if 0 not in self.costs.here:  # k = 1 while the draft is in step, then R(0), timed here
             # (a file's R(0), measured under another process's load, too high, kept processes
             # drafting k = 1 at acceptance 0.35 for whole generations: drafting never re-times it)
