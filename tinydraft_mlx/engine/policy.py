@@ -39,15 +39,7 @@ Where the loop looks before it leaps (below), a new pair's first rounds are plai
 R(0) (its first estimate is a stretch's second round, once a third shows it was not the last), the
 generation's first look (after `FIRST_LOOK` rounds) books the text's evidence, and k = 1 is then
 timed in step, three times unless the evidence says the first position is rarely accepted (below
-`EXPLORE_MIN`), and up to `EXPLORE_NEAR` times while drafting it is near break-even (its rate at
-least `NEAR_EVEN` of plain decoding's): a verdict on three early timings and a few tokens of text
-decides the rest of a generation, and drafting on near break-even costs almost nothing (in 12
-fresh processes the first three R(1) / R(0) ran at 1.33-1.93, median 1.69, where the 9 that
-drafted later measured 1.08-1.66, median 1.42; at that verdict drafting came out at 0.8-0.95x
-plain decoding, and 9 of the 12 then decoded plainly for 12-115 rounds of a text where k = 1
-pays ~1.15x; replayed: fresh texts where k = 1 pays +0.3-0.6% under noise, where it loses
--0.3%).
-Drafting the first rounds after the prompt explored on the text's hardest tokens
+`EXPLORE_MIN`). Drafting the first rounds after the prompt explored on the text's hardest tokens
 (the fresh benchmark's prompt: its first three drafts rejected in every run) and timed R(1) ahead
 of R(0) (in 16 fresh processes the first R(1) / R(0) ran 8% above the same process's later one,
 1.85 against 1.66 where a process then stayed plain). Replayed (bench/auto_replay.py, three noise
@@ -163,8 +155,6 @@ DEFAULT_K: int | str = AUTO
 MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
 EXPLORE_KS = (1,)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
 EXPLORE_TIMES = 3
-EXPLORE_NEAR = 8  # ... and up to this many times while drafting it is near break-even:
-NEAR_EVEN = 0.85  # its rate at least this share of plain decoding's
 PROMPT_EVIDENCE = 16  # the last prompt tokens whose predictions by target and draft are compared
 EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does not explore
 CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
@@ -484,12 +474,7 @@ class DraftLengthPolicy:
         # too little evidence yet to give up on speculation: each process times k = 1 itself
         # (a file's costs measured under another process's load, drafting at 3x a plain round,
         # kept every later process plain, and plain-only processes saved the stale costs again)
-        # Near break-even (k's rate within NEAR_EVEN of plain decoding's), up to EXPLORE_NEAR
-        # timings while the draft is in step: there a verdict on three timings and a few tokens of
-        # text decides a whole generation, and drafting on to time it again costs almost nothing
-        untried = [k for k in EXPLORE_KS if k <= limit and (
-            self._timed_here(k) < EXPLORE_TIMES or self._timed_here(k) < EXPLORE_NEAR
-            and self.behind == 0 and rates.get(k, 0.0) >= NEAR_EVEN * plain_rate)]
+        untried = [k for k in EXPLORE_KS if k <= limit and self._timed_here(k) < EXPLORE_TIMES]
         if untried and promising:
             return untried[0]
         # where the loop looks before it leaps, a look is worth its catch-up when what it may find
