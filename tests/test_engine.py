@@ -239,7 +239,8 @@ def test_auto_books_a_looks_evidence_with_the_catch_up_not_the_round(pair, monke
 @pytest.mark.parametrize("schedule", [[0], [0, 0, 0, 3], [3, 0, 0, 0, 0, 0, 1]])
 def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, schedule):
     """k="auto" runs the plain rounds it picks as pipelined stretches that end when it picks a
-    k again: greedy output unchanged, every token booked once, caches hold seq[:-1]."""
+    k again: greedy output unchanged, every round after the first booked once (the first is
+    plain, before the draft starts and the policy is taken), caches hold seq[:-1]."""
     import tinydraft_mlx.engine.speculative as spec
 
     target, draft, tok = pair
@@ -254,9 +255,70 @@ def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, sched
     assert out == ref[:40] and tokens[-1].finish_reason == "length"
     plain = sum(1 for k, _ in policy.updates if k == 0)
     drafted = [k for k, _ in policy.updates if k > 0]
-    assert tokens[-1].stats.rounds == len(policy.updates) == plain + len(drafted)
-    assert (plain == 40) == (schedule == [0]) and all(k <= max(schedule) for k in drafted)
+    assert tokens[-1].stats.rounds == 1 + len(policy.updates) == 1 + plain + len(drafted)
+    assert (plain == 39) == (schedule == [0]) and all(k <= max(schedule) for k in drafted)
     _assert_cache_holds(target, tc, (ids + out)[:-1])
+
+
+@pytest.mark.parametrize("k", [None, "auto"])
+def test_the_first_token_does_not_wait_for_a_queued_step(pair, reference, monkeypatch, k):
+    """Plain decoding (and k="auto", whose first round is plain) reads the first token before it
+    queues the next step: on MLX's CPU backend a token read with a step queued behind it waits
+    for that step too. From the second token on, plain steps are pipelined (one queued ahead)."""
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, _ = pair
+    ids, ref = reference
+    queued = []
+    real = spec._queue
+    monkeypatch.setattr(spec, "_queue", lambda *a: queued.append(1) or real(*a))
+    seen, out = [], []
+    for token in decode(target, None if k is None else draft, ids, k=k or 1, max_tokens=12):
+        seen.append(len(queued))
+        out.append(token.id)
+    assert out == ref[:12]
+    assert seen[0] == 1, seen
+    if k is None:  # pipelined after it: a step queued ahead of each token read
+        assert seen[1:] == list(range(3, 13)) + [12], seen
+
+
+class _Plain(ScriptedPolicy):
+    SCHEDULE = (0,)
+    LOOKS = True
+
+
+def test_auto_starts_the_draft_once_the_first_token_is_out(pair, reference, monkeypatch):
+    """k="auto" with a draft model: the first round is plain and its token comes out before the
+    draft's prefill and the policy (the time to the first token is the target's alone); the
+    draft then holds the whole prompt, and the generation stays plain greedy decoding. A
+    one-token generation never prefills the draft; a fixed k drafts from the first round, its
+    draft prefilled before."""
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, _ = pair
+    ids, ref = reference
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: _Plain())
+    tc, dc = make_cache(target), make_cache(draft)
+    held, policies, prefill_seconds, out = [], [], [], []
+    for token in decode(target, draft, ids, k="auto", max_tokens=6, target_cache=tc,
+                        draft_cache=dc):
+        held.append(cache_length(dc))
+        policies.append(token.stats.policy)
+        prefill_seconds.append(token.stats.prefill_seconds)
+        out.append(token.id)
+    assert out == ref[:6]
+    assert held == [0] + [len(ids)] * 5, held  # the draft prefilled the prompt after token 1
+    assert policies[0] is None and all(isinstance(p, _Plain) for p in policies[1:])
+    assert prefill_seconds[1] > prefill_seconds[0] > 0  # the draft's prefill is prefill time
+    _assert_cache_holds(draft, dc, ids)
+
+    dc = make_cache(draft)
+    one = list(decode(target, draft, ids, k="auto", max_tokens=1, draft_cache=dc))
+    assert [t.id for t in one] == ref[:1] and cache_length(dc) == 0
+
+    dc = make_cache(draft)
+    first = next(iter(decode(target, draft, ids, k=2, max_tokens=6, draft_cache=dc)))
+    assert first.id == ref[0] and cache_length(dc) >= len(ids) - 1
 
 
 def test_a_lookup_round_that_finds_nothing_is_a_plain_step(pair, reference, monkeypatch):
@@ -483,7 +545,8 @@ def test_prefill_sends_only_the_predicted_rows_through_the_head(pair, demo, monk
     model's head can be taken apart (an mlx-lm Qwen2 with its own LM head or tied embeddings,
     a pruned draft) the tokens run in one forward per chunk of `step` and only the predicted
     rows go through the head, whose logits are the whole forward's there; a model whose
-    head is unknown gets a chunk that ends where the rows begin (two forwards), as before."""
+    head is unknown gets a chunk that ends where the rows begin (two forwards), as before.
+    `lazy` rows are the same, computed when read, whatever the cache has done since."""
     from tinydraft_mlx.engine import forward as forward_module
     from tinydraft_mlx.engine.pruning import DEMO_COUNTS, prune_draft
 
@@ -527,6 +590,13 @@ def test_prefill_sends_only_the_predicted_rows_through_the_head(pair, demo, monk
             if step == 512:  # one chunk, split where the head is unknown and rows are left out
                 split = name == "unknown" and predict < len(ids)
                 assert len(calls) == (2 if split else 1), (name, predict, len(calls))
+            # lazy: the same rows, computed only when read, after the cache has moved on
+            cache = make_cache(model)
+            lazy = forward_module.prefill(model, cache, ids, step=step, predict=predict,
+                                          lazy=True)
+            mx.eval(model(mx.array(ids[:3])[None], cache=cache))
+            assert cache_length(cache) == len(ids) + 3
+            assert np.allclose(np.array(lazy), np.array(whole[-predict:]), atol=1e-4), name
         monkeypatch.undo()
 
 
@@ -555,20 +625,21 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=24)]
     assert out == ref[:24]
-    # 10 plain rounds, the 11th chooses 2: the draft catches up, and the policy is asked
-    # again knowing that the draft is now in step (a look)
+    # the first round is plain, before the draft starts (it then prefills the whole prompt) and
+    # the policy is taken; 10 plain rounds more, the next chooses 2: the draft catches up, and
+    # the policy is asked again knowing that the draft is now in step (a look)
     assert policy.caught_up[:12] == [False] * 11 + [True]
-    fed = ids[:-1]  # the prefill feeds all but the prompt's last token
+    fed = ids[:-1]  # the target's prefill feeds all but the prompt's last token
     (t_pred, t_clear), (d_pred, d_clear) = (_argmax_after_each(m, fed, margins=True)
                                             for m in (target, draft))
     n = min(PROMPT_EVIDENCE, len(fed))
     _agree_where_clear(policy.observed[0], [a == b for a, b in zip(t_pred[-n:], d_pred[-n:])],
                        [a and b for a, b in zip(t_clear[-n:], d_clear[-n:])])
     seq = ids + out
-    # the 10 plain rounds emitted seq[len(ids):len(ids) + 10]; the catch-up feeds the draft
+    # the 11 plain rounds emitted seq[len(ids):len(ids) + 11]; the catch-up feeds the draft
     # what it missed but the last token: predictions after seq[j] for the last fed positions
     caught = policy.observed[1]
-    end = len(ids) + 10 - 1  # the catch-up's last fed token is seq[end - 1]
+    end = len(ids) + 10  # the catch-up's last fed token is seq[end - 1]
     # (ids beyond the fixture draft's embedding occur: reading them unclamped gave garbage)
     after, clear = _argmax_after_each(draft, seq[:end], margins=True)
     m = min(CATCH_UP_EVIDENCE, len(caught))
@@ -587,8 +658,9 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     rows = slice(len(fed) - n, len(fed))
     np.testing.assert_allclose(first, _acceptance_at_t1(t_logits[rows], d_logits[rows]),
                                atol=1e-3)
-    # rows predicting the 10 plain tokens seq[len(ids):len(ids) + 10]: after seq[j - 1]
-    rows = slice(len(ids) - 1, len(ids) + 9)
+    # rows predicting the plain tokens the catch-up was fed after, seq[len(ids) + 1:len(ids) +
+    # 11] (the draft's start predicted the first, seq[len(ids)]): after seq[j - 1]
+    rows = slice(len(ids), len(ids) + 10)
     expected = _acceptance_at_t1(t_logits[rows], d_logits[rows])
     assert len(caught) == 10 and 0.05 < expected.mean() < 0.95  # neither certain nor hopeless
     np.testing.assert_allclose(caught, expected, atol=1e-3)
@@ -625,9 +697,10 @@ def test_a_round_accepted_whole_tells_whether_one_more_draft_would_have_been(dem
     ids = tok.encode(PROMPT)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=80)]
     seq = ids + out
-    assert sum(n + 1 for _, n in policy.booked) == len(out)
+    # the first round is plain, before the draft starts and the policy is taken
+    assert sum(n + 1 for _, n in policy.booked) == len(out) - 1
     after, clear = _argmax_after_each(draft, seq, margins=True)
-    expected, where, end = [], [], len(ids)
+    expected, where, end = [], [], len(ids) + 1
     for (k, n), (k_next, _) in zip(policy.booked, policy.booked[1:]):
         end += n + 1  # seq[end - 1] is the round's last token (the target's)
         if k and n == k and k_next:  # accepted whole, then a drafting round: d_k is seq[end - 2]
