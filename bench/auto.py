@@ -33,6 +33,7 @@ from __future__ import annotations
 import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload precedes mlx.core)
 import os
 import statistics
+import time
 from pathlib import Path
 
 from common import machine, model_dtype, pair_parser, pyplot, save
@@ -133,18 +134,34 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
                          int(contender[2:]) if contender.startswith("k=") else None)
     sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
 
-    def plain_rate() -> float:  # this process's speed now (plain decoding learns nothing)
-        steps = stream_generate(target, None, tok, ids, max_tokens=FRESH_TOKENS,
-                                temperature=temp, seed=0, **sampling)
-        return decode_rate((r.token, r) for r in steps)[1]
+    def timed(model, k) -> tuple[list[int], float, list, float, float]:
+        """ids, decode tokens/s (first token to last), extras, and from the call: seconds to
+        the first token and to the last."""
+        start = time.perf_counter()
+        stamps = []
+
+        def stamped():
+            for r in stream_generate(target, model, tok, ids, k=k, max_tokens=FRESH_TOKENS,
+                                     temperature=temp, seed=0, **sampling):
+                stamps.append(time.perf_counter() - start)
+                yield r.token, r
+
+        out, rate, extra = decode_rate(stamped())
+        return out, rate, extra, stamps[0], stamps[-1]
+
+    def plain_rate() -> tuple[float, float, float]:  # this process's plain speed now
+        out, rate, _, first, last = timed(None, 1)
+        return rate, first, len(out) / last
 
     before = plain_rate()
-    steps = stream_generate(target, None if contender == "plain" else draft, tok, ids, k=k,
-                            max_tokens=FRESH_TOKENS, temperature=temp, seed=0, **sampling)
-    out, rate, extra = decode_rate((r.token, r) for r in steps)
+    out, rate, extra, first, last = timed(None if contender == "plain" else draft, k)
+    after = plain_rate()
     stats = extra[-1].stats
     return {"contender": contender, "cell": cell, "temp": temp, "tok_s": rate,
-            "ref_tok_s": (before + plain_rate()) / 2,
+            "ref_tok_s": (before[0] + after[0]) / 2, "tokens": len(out),
+            # from the call: the first token, and tokens / seconds to the last (prefill in)
+            "ttft_ms": first * 1e3, "ref_ttft_ms": (before[1] + after[1]) / 2 * 1e3,
+            "e2e_tok_s": len(out) / last, "ref_e2e_tok_s": (before[2] + after[2]) / 2,
             "drafted": stats.drafted, "accepted": stats.accepted,
             "k_histogram": {str(k): n for k, n in sorted(stats.k_histogram.items())}}
 
@@ -197,6 +214,19 @@ def fresh_report(runs: list[dict]) -> None:
                       "best_fixed": best,
                       "vs_plain": {c: v / speed["plain"] for c, v in speed.items()},
                       "vs_best_fixed": {c: v / fixed[best] for c, v in speed.items()}})
+        if all("ttft_ms" in r for rs in mine.values() for r in rs):  # (runs before 2026-12-03
+            # have no time to first token): medians, each run's over its own plain's too, and
+            # tokens / seconds from the call to the last token (prefill in) over plain's
+            cells[-1]["ttft_ms"] = {c: statistics.median(r["ttft_ms"] for r in rs)
+                                    for c, rs in mine.items()}
+            cells[-1]["ttft_vs_own_plain"] = {
+                c: statistics.median(r["ttft_ms"] / r["ref_ttft_ms"] for r in rs)
+                for c, rs in mine.items()}
+            e2e = {c: statistics.median(r["e2e_tok_s"] / r["ref_e2e_tok_s"] for r in rs)
+                   for c, rs in mine.items()}
+            e2e_fixed = max(v for c, v in e2e.items() if c.startswith("k="))
+            cells[-1]["e2e_vs_plain"] = {c: v / e2e["plain"] for c, v in e2e.items()}
+            cells[-1]["e2e_vs_best_fixed"] = {c: v / e2e_fixed for c, v in e2e.items()}
         print(cells[-1], flush=True)
     target, _, _ = load_models()
     repeats = sum(r["contender"] == "plain" and (r["cell"], r["temp"]) == FRESH_CELLS[0]
@@ -211,7 +241,10 @@ def fresh_report(runs: list[dict]) -> None:
 def fresh_plot(report: dict, path: Path) -> None:
     plt = pyplot()
     cells = report["cells"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    timed = all("ttft_ms" in c for c in cells)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(15 if timed else 10, 4.5),
+                             gridspec_kw={"width_ratios": [2, 1]} if timed else None)
+    ax = axes[0] if timed else axes
     width = 0.8 / len(FRESH)
     for j, name in enumerate(FRESH):
         xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
@@ -227,6 +260,14 @@ def fresh_plot(report: dict, path: Path) -> None:
            title=f"k='auto' in fresh processes (demo pair, {report['settings']['dtype']}, one "
                  f"prompt x {FRESH_TOKENS} tokens; T=0.7 with top-p 0.8, top-k 20)")
     ax.legend(fontsize=8, ncol=len(FRESH), loc="upper center")
+    if timed:  # time to the first token, from the call (medians)
+        right = axes[1]
+        for j, name in enumerate(FRESH):
+            xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
+            right.bar(xs, [c["ttft_ms"][name] for c in cells], width=width, label=name)
+        right.set_xticks(range(len(cells)), [f"{c['cell']}, T={c['temp']}" for c in cells],
+                         fontsize=8)
+        right.set(ylabel="ms (median)", title="time to the first token")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

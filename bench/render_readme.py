@@ -517,6 +517,24 @@ def auto_fresh(r: dict) -> list[str]:
         autos = [f"{c['vs_best_fixed'][n]:.2f}" for n in names if n.startswith("auto")]
         lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells)
                      + f" | {c['best_fixed']} | " + " | ".join(autos) + " |")
+    if all("ttft_ms" in c for c in r["cells"]):
+        lines += [
+            "",
+            "Time to the first token from the call, ms (median; in brackets the median of each "
+            "run's over plain decoding's in its process), and tokens/s from the call to the last "
+            "token (the prefills in) as a ratio to plain decoding's and to the best fixed k's:",
+            "",
+            "| draft, T | " + " | ".join(f"{n} TTFT" for n in names) + " | "
+            + " | ".join(f"{n} end to end / plain, / best fixed" for n in names
+                         if n.startswith("auto")) + " |",
+            "| --- | " + "--- | " * (len(names) + sum(n.startswith("auto") for n in names)),
+        ]
+        for c in r["cells"]:
+            ttft = [f"{c['ttft_ms'][n]:.1f} ({c['ttft_vs_own_plain'][n]:.2f})" for n in names]
+            e2e = [f"{c['e2e_vs_plain'][n]:.2f}, {c['e2e_vs_best_fixed'][n]:.2f}"
+                   for n in names if n.startswith("auto")]
+            lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(ttft) + " | "
+                         + " | ".join(e2e) + " |")
     return lines
 
 
