@@ -281,7 +281,7 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
     evidence, the policy) waits until the first token is out (`_Generation.deferred`): the first
     round is plain whatever the policy would say, so the time to the first token is the target's
     alone (demo pair, CPU: the draft's prefill and the evidence on 16 prompt rows put k="auto"'s
-    first token ~11 ms behind plain decoding's, T = 0.7 ~13 ms; docs/design.md)."""
+    first token 8-11 ms behind plain decoding's, 9-15 ms at T = 0.7; docs/design.md)."""
     pending = g.seq[cache_length(g.target_cache) : -1]
     progress = None
     if callback is not None:
@@ -320,8 +320,8 @@ def _begin_draft(g: _Generation, draft_cache: Cache | None, auto: bool,
     last token; with k="auto" the pair's policy, and the prompt's evidence: per position of the
     target's `expected` rows (its logits after each of the prompt's last tokens), whether the
     draft would have predicted alike. Started after the first token (`deferred`), the draft
-    prefills that token's predecessor too; its row after it is left out, so that the evidence
-    covers the same prompt positions either way."""
+    also prefills the prompt's last token (the target's first round did); its row after it is
+    left out, so that the evidence covers the same prompt positions either way."""
     late = g.stats.generated > 0
     predict = PROMPT_EVIDENCE + late if g.looks else 0
     start = time.perf_counter()
@@ -400,8 +400,8 @@ def _rounds(g: _Generation) -> Iterator[Token]:
             step = _queue(g, mx.array(g.seq[-1:], dtype=mx.int32), None)
         following = None
         # not past the first token: it would wait for the step queued behind it too (MLX's CPU
-        # backend: plain decoding's first token 30 -> 22.5 ms, demo pair), and k="auto" starts
-        # its draft once that token is out (`_prefill`)
+        # backend: plain decoding's first token 29.2 -> 24.0 ms, demo pair), and k="auto"
+        # starts its draft once that token is out (`_prefill`)
         if g.pipelined and 0 < g.stats.generated < g.max_tokens - 1:
             chosen = g.choose(limit - 1)  # the next round's k, before this token is read
             if chosen == 0:
