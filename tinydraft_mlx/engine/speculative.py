@@ -352,9 +352,9 @@ def _rounds(g: _Generation) -> Iterator[Token]:
     device's (the step queued past the last token is rolled back by `decode`'s `finally`)."""
     chosen, step = None, None  # the next round's k and plain step, when already decided
     while g.stats.generated < g.max_tokens:
-        if g.deferred is not None and g.stats.generated:  # the draft starts (`_prefill`)
-            begin_draft, g.deferred = g.deferred, None
-            begin_draft()
+        if g.deferred is not None and g.stats.generated:  # the draft starts (`_prefill`;
+            g.deferred()  # not kept after: it holds the target's evidence rows, (16, V))
+            g.deferred = None
         start, traced = time.perf_counter(), g.traces()
         limit = g.max_tokens - g.stats.generated - 1
         k = g.choose(limit) if chosen is None else chosen
