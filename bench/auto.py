@@ -246,10 +246,18 @@ def fresh_plot(report: dict, path: Path) -> None:
                              gridspec_kw={"width_ratios": [2, 1]} if timed else None)
     ax = axes[0] if timed else axes
     width = 0.8 / len(FRESH)
-    for j, name in enumerate(FRESH):
-        xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
-        values = [c["vs_plain"][name] for c in cells]
-        ax.bar(xs, values, width=width, label=name)
+
+    def bars(axis, key: str) -> list[tuple[str, list[float], list[float]]]:
+        """Draw one bar per contender in each cell, of c[key][contender]; (name, xs, values)."""
+        drawn = []
+        for j, name in enumerate(FRESH):
+            xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
+            values = [c[key][name] for c in cells]
+            axis.bar(xs, values, width=width, label=name)
+            drawn.append((name, xs, values))
+        return drawn
+
+    for name, xs, values in bars(ax, "vs_plain"):
         if name.startswith("auto"):
             for x, v in zip(xs, values):
                 ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=7)
@@ -262,9 +270,7 @@ def fresh_plot(report: dict, path: Path) -> None:
     ax.legend(fontsize=8, ncol=len(FRESH), loc="upper center")
     if timed:  # time to the first token, from the call (medians)
         right = axes[1]
-        for j, name in enumerate(FRESH):
-            xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
-            right.bar(xs, [c["ttft_ms"][name] for c in cells], width=width, label=name)
+        bars(right, "ttft_ms")
         right.set_xticks(range(len(cells)), [f"{c['cell']}, T={c['temp']}" for c in cells],
                          fontsize=8)
         right.set(ylabel="ms (median)", title="time to the first token")
