@@ -79,9 +79,11 @@ def _verify(
     key: mx.array | None,
     history: mx.array | None = None,
     processors: Sequence[Processor] = (),
+    also: mx.array | None = None,
 ) -> tuple[list[int], mx.array]:
     """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync, and
-    the (k+1, V) log-probabilities of the processed logits (lazy).
+    the (k+1, V) log-probabilities of the processed logits (lazy). `also`: a lazy (m,) int32
+    array read in the same sync, its values appended to the list.
 
     With `processors`, position i's logits are processed with history + d_1..d_(i-1) (history:
     prompt + emitted tokens), exactly what plain decoding would see there.
@@ -106,7 +108,8 @@ def _verify(
         q = q[None] if q is not None else mx.zeros((1, 0, logits.shape[-1]), dtype=mx.float32)
         n, token = with_warp(speculative_accept, params)(logits, q, drafts[None], key)
     logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (k+1, Vp)
-    return mx.concatenate([n, token, drafts]).tolist(), logprobs
+    tail = [] if also is None else [also.astype(drafts.dtype)]
+    return mx.concatenate([n, token, drafts, *tail]).tolist(), logprobs
 
 
 def _rollback_both(target_cache: Cache, drafter: Drafter, keep: int) -> None:
@@ -377,16 +380,17 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 drafts, q = _propose(g.drafter, k, g.sampling, draft_key, g.width, history,
                                      g.processors)
             if drafts.size:
-                with mx.stream(g.stream):
-                    (n, token, *proposed), logprobs = _verify(
-                        g.target, g.target_cache, g.seq[-1], drafts, q, g.sampling,
-                        verify_key, history, g.processors)
-                # keep seq + d_1..d_n. After a fully accepted round the draft never saw d_k
-                # (nor the bonus token): it stays behind, catching up in the next round, whose
-                # first draft step so tells whether one more position would have been accepted
+                # after a fully accepted round the draft never saw d_k (nor the bonus token): it
+                # stays behind, catching up in this round, whose first draft step so tells
+                # whether one more position would have been accepted there (read with the verdict)
                 beyond = g.drafter.beyond() if g.looks and g.whole else None
+                with mx.stream(g.stream):
+                    values, logprobs = _verify(
+                        g.target, g.target_cache, g.seq[-1], drafts, q, g.sampling,
+                        verify_key, history, g.processors, also=beyond)
                 if beyond is not None:
-                    g.policy.observe_beyond(g.whole, beyond)
+                    g.policy.observe_beyond(g.whole, bool(values.pop()))
+                n, token, *proposed = values  # keep seq + d_1..d_n
                 g.whole = len(proposed) if n == len(proposed) else 0
                 g.plain_rows.clear()
                 _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
