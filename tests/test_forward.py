@@ -1,6 +1,7 @@
 """The compiled forward (`tinydraft_mlx.engine.forward`): same logits and caches as the eager
-forward through rollbacks and buffer growth, the same tokens from the decode loop either way,
-and the eager fallback wherever the compiled step does not apply.
+forward through rollbacks and buffer growth (and around a bounded cache's ring), the same tokens
+from the decode loop either way, and the eager fallback wherever the compiled step does not
+apply.
 
 The oracle tests (test_lossless, test_sampling_exactness) run the default path, i.e. compiled;
 here `traces` shows that the compiled step is what ran."""
@@ -61,6 +62,41 @@ def test_compiled_matches_eager_through_rollbacks_and_growth(pair):
                                        atol=1e-4)
 
 
+@pytest.mark.parametrize("window,margin", [(64, 5), (48, 1)])
+def test_bounded_compiled_matches_eager_through_wraps_and_rollbacks(pair, window, margin):
+    """A bounded cache (`max_kv_size`, rollback margin): 150 random steps of 1, 2 or margin + 1
+    tokens (what decode steps and verifies write in place) with random rollbacks, from 40 cached
+    tokens to several times around the ring: every logit row equal to the eager forward's within
+    float rounding, the same argmax, the compiled step is what ran, and the buffers equal at the
+    end (the same positions in the same slots)."""
+    target, _, tok = pair
+    rng = random.Random(1)
+    vocab = len(tok.get_vocab())
+    prompt = [rng.randrange(vocab) for _ in range(40)]
+    ours = make_cache(target, max_kv_size=window, margin=margin)
+    eager = make_cache(target, max_kv_size=window, margin=margin)
+    prefill(target, ours, prompt)
+    prefill(target, eager, prompt)
+    before = traces(target)
+    worst = 0.0
+    for _ in range(150):
+        n = rng.choice([1, 2, margin + 1])
+        tokens = mx.array([[rng.randrange(vocab) for _ in range(n)]], dtype=mx.int32)
+        got, want = forward(target, tokens, ours), target(tokens, cache=eager)
+        worst = max(worst, mx.abs(got - want).max().item())
+        assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+        drop = rng.randrange(n + 1) if rng.random() < 0.5 else 0
+        keep = ours[0].offset - drop
+        rollback(ours, keep)
+        rollback(eager, keep)
+    assert traces(target) > before  # the compiled step ran (not a silent eager fallback)
+    assert ours[0].offset == eager[0].offset > 3 * window
+    assert worst < 1e-4
+    for a, b in zip(ours, eager):
+        for x, y in [(a.keys, b.keys), (a.values, b.values)]:
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_decode_gives_the_same_tokens_compiled_or_eager(pair, monkeypatch, k):
     """Greedy, plain (k=0) and speculative: compiled and eager forwards emit the same tokens."""
@@ -84,10 +120,10 @@ def test_eager_where_the_compiled_step_does_not_apply(pair):
     target, _, tok = pair
     ids = tok.encode(PROMPT)
     before = traces(target)
-    bounded = make_cache(target, max_kv_size=64, margin=5)  # a rotating cache: eager
-    prefill(target, bounded, ids)
-    forward(target, mx.array([[5, 6, 7]], dtype=mx.int32), bounded)
-    assert bounded[0].offset == len(ids) + 3 and traces(target) == before
+    bounded = make_cache(target, max_kv_size=64, margin=2)  # a rotating cache written past
+    prefill(target, bounded, ids)  # its margin + 1 (it reads buffer and new keys): eager
+    forward(target, mx.array([[5, 6, 7, 8]], dtype=mx.int32), bounded)
+    assert bounded[0].offset == len(ids) + 4 and traces(target) == before
 
     class Other(nn.Module):  # an architecture the compiled step does not claim
         def __init__(self):

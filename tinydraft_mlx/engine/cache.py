@@ -71,6 +71,34 @@ def rollback(cache: Cache, keep: int) -> None:
             layer.trim(layer.offset - keep)
 
 
+def slot_positions(end: int | mx.array, keep: int, ring: int) -> mx.array:
+    """(keep + ring,) the absolute position each slot of a `RollbackRotatingKVCache` holds once
+    positions [0, end) are written (`end` an int or an int32 scalar array); -1 for an empty
+    slot."""
+    s = mx.arange(keep + ring)
+    sinks = mx.where(s < end, s, -1)
+    last = end - 1 - keep  # ring index of the newest position
+    ring_pos = keep + last - mx.remainder(last - (s - keep), ring)
+    ring_pos = mx.where(ring_pos >= keep, ring_pos, -1)
+    return mx.where(s < keep, sinks, ring_pos)
+
+
+def ring_slots(positions: mx.array, keep: int, ring: int) -> mx.array:
+    """The slot each absolute position is written to: its own below `keep` (a sink), else its
+    place in the ring."""
+    return mx.where(positions < keep, positions, keep + mx.remainder(positions - keep, ring))
+
+
+def ring_mask(offset: int | mx.array, n: int, keys: mx.array, keep: int,
+              window: int) -> mx.array:
+    """(n, len(keys)) True where the query at position offset + i may see the key at absolute
+    position keys[j] (-1: an empty slot): a sink, or one of the latest `window` positions up to
+    its own."""
+    q = (offset + mx.arange(n))[:, None]
+    k = keys[None, :]
+    return (k >= 0) & (k <= q) & ((k < keep) | (k > q - window))
+
+
 class RollbackRotatingKVCache:
     """A bounded KV cache that can still roll back after it wraps.
 
@@ -101,32 +129,20 @@ class RollbackRotatingKVCache:
 
     # -- positions ---------------------------------------------------------------------------
 
-    def _slot_positions(self, end: int) -> mx.array:
-        """(slots,) absolute position held by each slot once positions [0, end) are written;
-        -1 for an empty slot."""
-        s = mx.arange(self.slots)
-        sinks = mx.where(s < end, s, -1)
-        last = end - 1 - self.keep  # ring index of the newest position
-        ring_pos = self.keep + last - mx.remainder(last - (s - self.keep), self.ring)
-        ring_pos = mx.where(ring_pos >= self.keep, ring_pos, -1)
-        return mx.where(s < self.keep, sinks, ring_pos)
-
-    def _in_place(self, n: int) -> bool:
+    def in_place(self, n: int) -> bool:
         """Whether n new tokens can be written before attention without overwriting a position
         that one of their queries still needs (else keys are returned as buffer + new)."""
         return n <= self.margin + 1
 
     def _key_positions(self, n: int) -> mx.array:
-        if self._in_place(n):
-            return self._slot_positions(self.offset + n)
-        return mx.concatenate([self._slot_positions(self.offset), self.offset + mx.arange(n)])
+        if self.in_place(n):
+            return slot_positions(self.offset + n, self.keep, self.ring)
+        return mx.concatenate([slot_positions(self.offset, self.keep, self.ring),
+                               self.offset + mx.arange(n)])
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         """(n, n_keys) boolean mask for the next `n` tokens (True = attend)."""
-        q = (self.offset + mx.arange(n))[:, None]
-        k = self._key_positions(n)[None, :]
-        recent = k > q - self.window
-        return (k >= 0) & (k <= q) & ((k < self.keep) | recent)
+        return ring_mask(self.offset, n, self._key_positions(n), self.keep, self.window)
 
     # -- storage -----------------------------------------------------------------------------
 
@@ -154,7 +170,7 @@ class RollbackRotatingKVCache:
             self.keys = mx.zeros((b, h, self.slots, d), keys.dtype)
             self.values = mx.zeros((b, h, self.slots, values.shape[3]), values.dtype)
         n = keys.shape[2]
-        if self._in_place(n):
+        if self.in_place(n):
             self._write(keys, values)
             self.offset += n
             return self.keys, self.values
