@@ -16,7 +16,7 @@ import pytest
 from tinydraft_mlx.engine import forward as forward_module
 from tinydraft_mlx.engine import skinny
 from tinydraft_mlx.engine.cache import make_cache, rollback
-from tinydraft_mlx.engine.forward import COMPILE_ENV, buffer_size, forward, traces
+from tinydraft_mlx.engine.forward import COMPILE_ENV, buffer_size, forward, trace_count, traces
 from tinydraft_mlx.engine.policy import DraftLengthPolicy
 from tinydraft_mlx.engine.speculative import decode, prefill
 
@@ -60,6 +60,23 @@ def test_compiled_matches_eager_through_rollbacks_and_growth(pair):
         for x, y in [(a.keys, b.keys), (a.values, b.values)]:
             np.testing.assert_allclose(np.array(x[..., :end, :]), np.array(y[..., :end, :]),
                                        atol=1e-4)
+
+
+def test_trace_count_counts_each_shapes_first_trace(pair):
+    """`trace_count` (what the decode loops read around a round to leave a traced round out of
+    k="auto"'s costs): up by one for each shape a model's compiled step runs for the first
+    time, unchanged when a traced shape runs again."""
+    target, _, tok = pair
+    forward_module.reset(target)
+    cache = make_cache(target)
+    prefill(target, cache, tok.encode(PROMPT))
+    start = trace_count()
+    forward(target, mx.array([[5]], dtype=mx.int32), cache)
+    forward(target, mx.array([[6, 7]], dtype=mx.int32), cache)
+    assert trace_count() == start + 2 and traces(target) == 2
+    forward(target, mx.array([[8]], dtype=mx.int32), cache)
+    forward(target, mx.array([[9, 10]], dtype=mx.int32), cache)
+    assert trace_count() == start + 2
 
 
 @pytest.mark.parametrize("window,margin", [(64, 5), (48, 1)])

@@ -55,7 +55,7 @@ from .drafters import (
     point_mass,
     resolve_drafter,
 )
-from .forward import PREFILL_STEP, forward_batch, model_inputs, prefill, traces, vocab_width
+from .forward import PREFILL_STEP, forward_batch, model_inputs, prefill, trace_count, vocab_width
 from .policy import (
     AUTO,
     AUTO_MAX_K,
@@ -407,7 +407,7 @@ class BatchDecoder:
             self._admit()
             if not self.rows:
                 return {}
-        start, traced = time.perf_counter(), self._traces()  # the round, not the prefill
+        start, traced = time.perf_counter(), trace_count()  # the round, not the prefill
         if queued is None:
             self._choose(self._chosen)
             with mx.stream(self.stream):
@@ -429,7 +429,7 @@ class BatchDecoder:
                 self._chosen = {r.uid: k for r, k in zip(self.rows, chosen)}
         mx.eval(results[0])
         elapsed = time.perf_counter() - start
-        timed, self._joined = self._traces() == traced and not self._joined, False
+        timed, self._joined = trace_count() == traced and not self._joined, False
         return self._commit(*results, elapsed, timed)
 
     def _may_pipeline(self) -> bool:
@@ -438,9 +438,6 @@ class BatchDecoder:
         row that goes on past this round."""
         return (not self.pending and not any(r.processors for r in self.rows)
                 and any(r.generated + 1 < r.max_tokens for r in self.rows))
-
-    def _traces(self) -> int:
-        return traces(self.target) + (traces(self.draft) if self.draft is not None else 0)
 
     def _pick(self, ahead: int = 0) -> list[int]:
         """Each row's k for the round `ahead` rounds from now (k="auto" rows share one, chosen

@@ -182,6 +182,26 @@ def reset(model: nn.Module) -> None:
         model.__dict__.pop(_STATE, None)
 
 
+_traced = 0  # shapes first traced by any model's compiled steps in this process
+
+
+def trace_count() -> int:
+    """Shapes traced by the compiled steps of all models in this process so far: the decode
+    loops read it before and after a round (a round that traced, tens of milliseconds, stays out
+    of k="auto"'s costs). One number read, where summing `traces` over the models (an
+    environment read and a lookup per model, twice a round) cost plain and k="auto" rounds
+    host time every round."""
+    return _traced
+
+
+def _traced_shape(state: _Compiled, shape: tuple) -> None:
+    """Note that `state`'s step runs `shape` (a trace the first time)."""
+    global _traced
+    if shape not in state.shapes:
+        state.shapes.add(shape)
+        _traced += 1
+
+
 def traces(model: Any) -> int:
     """How many shapes `model`'s compiled step has been traced for so far (a trace costs tens of
     milliseconds; the loop leaves rounds that traced out of its timing-based choices)."""
@@ -217,11 +237,11 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
     if all(type(layer) is KVCache for layer in cache):
         size = _reserve(cache, offset + n)
         step = state.step
-        state.shapes.add((n, size))
+        _traced_shape(state, (n, size))
     elif _ring_in_place(cache, n):
         first = cache[0]
         step = state.ring_step(first.keep, first.window, first.ring)
-        state.shapes.add(("ring", n, first.keep, first.window, first.ring))
+        _traced_shape(state, ("ring", n, first.keep, first.window, first.ring))
     else:
         return model(tokens, cache=cache)
     logits, keys, values = step(tokens, mx.array(offset, dtype=mx.int32),
@@ -262,7 +282,7 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
     else:
         size = buffer_size(max(cache.lengths) + n)
         cache.reserve(n, size)
-        state.shapes.add((tokens.shape[0], n, size))
+        _traced_shape(state, (tokens.shape[0], n, size))
         logits, keys, values = state.step(tokens, cache.offsets(),
                                           [layer.keys for layer in cache.layers],
                                           [layer.values for layer in cache.layers])

@@ -34,7 +34,7 @@ from ..backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter
-from .forward import PREFILL_STEP, forward, prefill, traces, vocab_width
+from .forward import PREFILL_STEP, forward, prefill, trace_count, vocab_width
 from .policy import (
     AUTO,
     CATCH_UP_EVIDENCE,
@@ -190,8 +190,6 @@ class _Generation:
         self.key, *keys = mx.random.split(self.key, n + 1)
         return keys
 
-    def traces(self) -> int:
-        return traces(self.target) + traces(self.drafter.model)
 
 
 @dataclass
@@ -358,7 +356,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         if g.deferred is not None and g.stats.generated:  # the draft starts (`_prefill`;
             g.deferred()  # not kept after: it holds the target's evidence rows, (16, V))
             g.deferred = None
-        start, traced = time.perf_counter(), g.traces()
+        start, traced = time.perf_counter(), trace_count()
         limit = g.max_tokens - g.stats.generated - 1
         k = g.choose(limit) if chosen is None else chosen
         chosen, catch_up = None, 0.0
@@ -394,7 +392,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 g.whole = len(proposed) if n == len(proposed) else 0
                 g.plain_rows.clear()
                 _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
-                timed = g.traces() == traced
+                timed = trace_count() == traced
                 if (yield from _commit(g, proposed[:n] + [token], len(proposed), logprobs,
                                        start, timed, catch_up)):
                     return
@@ -416,7 +414,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         # timed: a pipelined step that traced nothing (a stretch's first step waits for the
         # one queued behind it too; the policy leaves its last, which waits for little, out of
         # R(0) as well); ranks run every plain step unpipelined
-        timed = g.traces() == traced and (pipelined or not g.pipelined)
+        timed = trace_count() == traced and (pipelined or not g.pipelined)
         if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up)):
             return
         step = following
