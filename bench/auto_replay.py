@@ -8,24 +8,24 @@
 In a fresh process k="auto" decides from round timings that vary by +-30% here, and a fresh
 benchmark's ratios (bench/auto.py --fresh) move by +-5% between runs of the same code: they cannot
 tell the policy's own loss from the machine's noise. This drives the policy (engine/policy.py's
-DraftLengthPolicy, as the decode loop does: the prompt's evidence, looks with a catch-up's
-evidence, "one more position" after a round accepted whole) on texts recorded from the pair,
-greedy: per generated token whether the draft's argmax given the text before it was that token (a
-greedy draft is accepted exactly while those hold), and per last prompt token whether target and
-draft predicted alike. Costs are measured here: R(k), a 128-token generation's decode time over its
-rounds at each fixed k (plain decoding for k = 0), and the draft's catch-up, a forward of n tokens
-fitted as a fixed part plus a part per token. Each round's time is multiplied by noise: none;
-lognormal (sigma 0.15) with 3% of rounds at 2-3x (what per-round traces show on this machine); and
-the same on a level that drifts (log speed an AR(1) of coefficient 0.97 a round, spread 0.2: bursts
-of other work lasting tens of rounds). Fixed k = 0..4 are replayed on the same noise draws (round i
-gets the i-th factor), so "auto / best fixed" compares like with like. The always-rejected case
-replays a text no draft token of which is accepted, with a prompt that says so. Each text is
-replayed with a fresh policy (a new process, policy file off), and the texts one after another
-`--passes` times with one policy (a warm process, a server: the noise runs on across
-generations, so a burst during one can spoil the costs the next ones start from). Left out: sampling
-(acceptance is then a probability per token), plain rounds' uneven times within a stretch (the
-loop's pipelining: the policy books a stretch's middle rounds), the policy's own host time (~1% of
-a plain round here) and traced steps.
+DraftLengthPolicy, as the decode loop does: looks with a catch-up's evidence, "one more position"
+after a round accepted whole) on texts recorded from the pair, greedy: per generated token whether
+the draft's argmax given the text before it was that token (a greedy draft is accepted exactly while
+those hold), and per last prompt token whether target and draft predicted alike (the prompt's
+evidence, booked by policies before 2026-12-03 replayed with `--policy`). Costs are measured here:
+R(k), a 128-token generation's decode time over its rounds at each fixed k (plain decoding for k =
+0), and the draft's catch-up, a forward of n tokens fitted as a fixed part plus a part per token.
+Each round's time is multiplied by noise: none; lognormal (sigma 0.15) with 3% of rounds at 2-3x
+(what per-round traces show on this machine); and the same on a level that drifts (log speed an
+AR(1) of coefficient 0.97 a round, spread 0.2: bursts of other work lasting tens of rounds). Fixed k
+= 0..4 are replayed on the same noise draws (round i gets the i-th factor), so "auto / best fixed"
+compares like with like. The always-rejected case replays a text no draft token of which is
+accepted, with a prompt that says so. Each text is replayed with a fresh policy (a new process,
+policy file off), and the texts one after another `--passes` times with one policy (a warm process,
+a server: the noise runs on across generations, so a burst during one can spoil the costs the next
+ones start from). Left out: sampling (acceptance is then a probability per token), plain rounds'
+uneven times within a stretch (the loop's pipelining: the policy books a stretch's middle rounds),
+the policy's own host time (~1% of a plain round here) and traced steps.
 
 Writes results/<name>.json and results/<name>.png.
 """
@@ -53,6 +53,7 @@ from tinydraft_mlx.engine import policy as current_policy
 NOISES = {"none": (0.0, 0.0, 0.0), "this machine": (0.15, 0.03, 0.0),
           "with bursts": (0.15, 0.03, 0.2)}
 FIXED = (0, 1, 2, 3, 4)
+PROMPT_EVIDENCE = 16  # last prompt tokens recorded for policies that book the prompt's evidence
 
 
 def record(target, draft, tok, prompt: str, tokens: int, evidence: int) -> dict:
@@ -144,7 +145,8 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
             policy.plain_seconds, policy.behind = 0.0, 0
             if hasattr(policy, "look_due"):
                 policy.look_due = True
-        policy.observe_first(text["prompt_evidence"])
+        if hasattr(policy, "observe_first"):  # a policy from before 2026-12-03 (`--policy`)
+            policy.observe_first(text["prompt_evidence"])
     else:
         policy = None
     i, seconds, ks = 0, 0.0, []
@@ -223,10 +225,10 @@ def main() -> None:
     args = ap.parse_args()
     policy_module = load_policy(args.policy)
     target, draft, tok = load_models()
-    texts = [record(target, draft, tok, p, args.tokens, current_policy.PROMPT_EVIDENCE)
+    texts = [record(target, draft, tok, p, args.tokens, PROMPT_EVIDENCE)
              for p in PROMPTS[: args.prompts]]
     texts.append({"prompt": "(always rejected)", "matches": [0] * args.tokens,
-                  "prompt_evidence": [0.0] * current_policy.PROMPT_EVIDENCE})
+                  "prompt_evidence": [0.0] * PROMPT_EVIDENCE})
     if args.costs_from:
         saved = json.loads(Path(args.costs_from).read_text())["settings"]["costs"]
         costs = {**saved, "round_seconds": {int(k): v for k, v in saved["round_seconds"].items()}}

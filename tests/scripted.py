@@ -1,7 +1,7 @@
 """A stand-in for `k="auto"`'s policy that plays a fixed schedule of k, cycling, so that a test
 does not depend on this machine's timings. It implements what the decode loop asks of a policy:
-`choose` and `update`, the evidence hooks (`observe`, `observe_first`, `observe_beyond`,
-`end_stretch`: recorded, not used) and `looks` (whether a round after plain rounds catches the
+`choose` and `update`, the evidence hooks (`observe`, `observe_beyond`, `end_stretch`: recorded,
+not used) and `looks` (whether a round after plain rounds catches the
 draft up, books its predictions and chooses again: `LOOKS`, fixed per class whatever the loop
 sets)."""
 
@@ -32,14 +32,12 @@ class ScriptedPolicy:
         self.rounds += 1
         return min(k, limit)
 
-    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0,
+               filled: bool = False) -> None:
         pass
 
     def observe(self, matches: list[bool]) -> None:
         self.observed.append(matches)
-
-    def observe_first(self, agreed: list[bool]) -> None:
-        self.observed.append(agreed)
 
     def observe_beyond(self, position: int, accepted: bool) -> None:
         self.beyond.append((position, accepted))

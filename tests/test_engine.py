@@ -166,15 +166,16 @@ class _Recording(ScriptedPolicy):
 
     def __init__(self):
         super().__init__()
-        self.updates, self.catch_ups, self.calls = [], [], 0
+        self.updates, self.catch_ups, self.filled, self.calls = [], [], [], 0
 
     def choose(self, limit, caught_up=False):  # the n-th call chooses the n-th round
         self.calls += 1
         return min(self.SCHEDULE[(self.calls - 1) % len(self.SCHEDULE)], limit)
 
-    def update(self, k, accepted, seconds, catch_up=0.0):
+    def update(self, k, accepted, seconds, catch_up=0.0, filled=False):
         self.updates.append((k, seconds))
         self.catch_ups.append(catch_up)
+        self.filled.append(filled)
 
 
 def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
@@ -201,11 +202,18 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
     next(steps)
     in_rounds.append(True)
     list(steps)
-    ks = [k for k, _ in policy.updates]
-    assert ks[:7] == [0, 0, 0, 0, 0, 2, 2]
-    assert policy.catch_ups[5] >= 0.2 and policy.catch_ups[6] == 0.0, policy.catch_ups
-    assert policy.updates[5][1] < 0.2 and policy.updates[6][1] < 0.2, policy.updates
-    assert not any(policy.catch_ups[:5])  # plain rounds catch nothing up
+    ks = [k for k, _ in policy.updates]  # the first round (plain, the target's alone) too
+    assert ks[:8] == [0, 0, 0, 0, 0, 0, 2, 2] and 2 in ks[8:], ks
+    switches = [i for i, c in enumerate(policy.catch_ups) if c > 0]
+    # the draft started empty: its first catch-up fed it the prompt too (no switch's price);
+    # the next is a switch back from plain rounds
+    assert switches[0] == 6 and len(switches) >= 2, policy.catch_ups
+    assert [policy.filled[i] for i in switches] == [True] + [False] * (len(switches) - 1)
+    for i in switches:
+        assert policy.catch_ups[i] >= 0.2 and policy.updates[i][1] < 0.2, (policy.catch_ups,
+                                                                             policy.updates)
+    assert policy.catch_ups[7] == 0.0 and policy.updates[7][1] < 0.2
+    assert not any(policy.catch_ups[:6])  # plain rounds catch nothing up
 
 
 def test_auto_books_a_looks_evidence_with_the_catch_up_not_the_round(pair, monkeypatch):
@@ -231,16 +239,16 @@ def test_auto_books_a_looks_evidence_with_the_catch_up_not_the_round(pair, monke
 
     monkeypatch.setattr(spec, "_catch_up_evidence", slow_evidence)
     list(stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20))
-    assert [k for k, _ in policy.updates[:6]] == [0, 0, 0, 0, 0, 2]
-    assert policy.catch_ups[5] >= 0.2, policy.catch_ups
-    assert policy.updates[5][1] < 0.2, policy.updates
+    assert [k for k, _ in policy.updates[:7]] == [0, 0, 0, 0, 0, 0, 2]
+    assert policy.catch_ups[6] >= 0.2, policy.catch_ups
+    assert policy.updates[6][1] < 0.2, policy.updates
 
 
 @pytest.mark.parametrize("schedule", [[0], [0, 0, 0, 3], [3, 0, 0, 0, 0, 0, 1]])
 def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, schedule):
     """k="auto" runs the plain rounds it picks as pipelined stretches that end when it picks a
-    k again: greedy output unchanged, every round after the first booked once (the first is
-    plain, before the draft starts and the policy is taken), caches hold seq[:-1]."""
+    k again: greedy output unchanged, every round booked once (the first, plain whatever the
+    policy says, too), caches hold seq[:-1]."""
     import tinydraft_mlx.engine.speculative as spec
 
     target, draft, tok = pair
@@ -255,8 +263,8 @@ def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, sched
     assert out == ref[:40] and tokens[-1].finish_reason == "length"
     plain = sum(1 for k, _ in policy.updates if k == 0)
     drafted = [k for k, _ in policy.updates if k > 0]
-    assert tokens[-1].stats.rounds == 1 + len(policy.updates) == 1 + plain + len(drafted)
-    assert (plain == 39) == (schedule == [0]) and all(k <= max(schedule) for k in drafted)
+    assert tokens[-1].stats.rounds == len(policy.updates) == plain + len(drafted)
+    assert (plain == 40) == (schedule == [0]) and all(k <= max(schedule) for k in drafted)
     _assert_cache_holds(target, tc, (ids + out)[:-1])
 
 
@@ -287,11 +295,32 @@ class _Plain(ScriptedPolicy):
     LOOKS = True
 
 
-def test_auto_starts_the_draft_once_the_first_token_is_out(pair, reference, monkeypatch):
-    """k="auto" with a draft model: the first round is plain and its token comes out before the
-    draft's prefill and the policy (the time to the first token is the target's alone); the
-    draft then holds the whole prompt, and the generation stays plain greedy decoding. A
-    one-token generation never prefills the draft; a fixed k drafts from the first round, its
+class _DraftsLater(ScriptedPolicy):
+    """Plain for six rounds (the first, forced plain, does not ask), then k = 2 twice, plain
+    again and k = 1: a first catch-up from an empty draft, then a switch back."""
+
+    SCHEDULE = (0, 0, 0, 0, 0, 2, 2, 0, 0, 0, 1, 0, 0, 0)
+    LOOKS = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filled: list[bool] = []
+
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0,
+               filled: bool = False) -> None:
+        if catch_up > 0:
+            self.filled.append(filled)
+
+
+def test_auto_starts_the_draft_empty_and_fills_it_when_first_needed(pair, reference,
+                                                                   monkeypatch):
+    """k="auto" with a draft model: its policy is there from the first token, but nothing of the
+    draft runs before it is needed: the first round is plain (the time to the first token is
+    the target's alone), a generation that stays plain never fills the draft cache (nor counts
+    a draft prefill), and the first catch-up (here the first drafting round) feeds the draft the
+    prompt and what was generated, in step with the target after it, booked as a fill, not a
+    switch, and measuring the draft/target cost ratio; the output is plain greedy decoding's.
+    A one-token generation never fills the draft; a fixed k drafts from the first round, its
     draft prefilled before."""
     import tinydraft_mlx.engine.speculative as spec
 
@@ -306,11 +335,24 @@ def test_auto_starts_the_draft_once_the_first_token_is_out(pair, reference, monk
         policies.append(token.stats.policy)
         prefill_seconds.append(token.stats.prefill_seconds)
         out.append(token.id)
-    assert out == ref[:6]
-    assert held == [0] + [len(ids)] * 5, held  # the draft prefilled the prompt after token 1
-    assert policies[0] is None and all(isinstance(p, _Plain) for p in policies[1:])
-    assert prefill_seconds[1] > prefill_seconds[0] > 0  # the draft's prefill is prefill time
-    _assert_cache_holds(draft, dc, ids)
+    assert out == ref[:6] and held == [0] * 6, held
+    assert all(isinstance(p, _Plain) for p in policies)
+    assert len(set(prefill_seconds)) == 1 and prefill_seconds[0] > 0  # the target's prefill
+
+    policy = _DraftsLater()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    tc, dc = make_cache(target), make_cache(draft)
+    held, out = [], []
+    for token in decode(target, draft, ids, k="auto", max_tokens=30, target_cache=tc,
+                        draft_cache=dc):
+        held.append((token.stats.rounds, cache_length(dc)))
+        out.append(token.id)
+    assert out == ref[:30]
+    assert all(n == 0 for rounds, n in held if rounds <= 6), held  # untouched while plain
+    assert held[6][0] == 7 and held[6][1] >= len(ids) + 6 - 1, held  # filled by round 7
+    assert policy.filled[0] is True and False in policy.filled[1:], policy.filled
+    assert 0 < policy.draft_ratio <= 1  # measured from the fill
+    _assert_cache_holds(draft, dc, (ids + out)[: cache_length(dc)])
 
     dc = make_cache(draft)
     one = list(decode(target, draft, ids, k="auto", max_tokens=1, draft_cache=dc))
@@ -545,8 +587,7 @@ def test_prefill_sends_only_the_predicted_rows_through_the_head(pair, demo, monk
     model's head can be taken apart (an mlx-lm Qwen2 with its own LM head or tied embeddings,
     a pruned draft) the tokens run in one forward per chunk of `step` and only the predicted
     rows go through the head, whose logits are the whole forward's there; a model whose
-    head is unknown gets a chunk that ends where the rows begin (two forwards), as before.
-    `lazy` rows are the same, computed when read, whatever the cache has done since."""
+    head is unknown gets a chunk that ends where the rows begin (two forwards), as before."""
     from tinydraft_mlx.engine import forward as forward_module
     from tinydraft_mlx.engine.pruning import DEMO_COUNTS, prune_draft
 
@@ -590,13 +631,6 @@ def test_prefill_sends_only_the_predicted_rows_through_the_head(pair, demo, monk
             if step == 512:  # one chunk, split where the head is unknown and rows are left out
                 split = name == "unknown" and predict < len(ids)
                 assert len(calls) == (2 if split else 1), (name, predict, len(calls))
-            # lazy: the same rows, computed only when read, after the cache has moved on
-            cache = make_cache(model)
-            lazy = forward_module.prefill(model, cache, ids, step=step, predict=predict,
-                                          lazy=True)
-            mx.eval(model(mx.array(ids[:3])[None], cache=cache))
-            assert cache_length(cache) == len(ids) + 3
-            assert np.allclose(np.array(lazy), np.array(whole[-predict:]), atol=1e-4), name
         monkeypatch.undo()
 
 
@@ -607,17 +641,17 @@ class _Looking(ScriptedPolicy):
     LOOKS = True
 
 
-def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_do(
-        pair, reference, monkeypatch):
-    """Greedy k="auto" books, before its first round, whether target and draft predict alike
-    after each of the prompt's last tokens, and after plain rounds whether the draft's argmax
-    after each token it catches up on was the token that followed: both must be what the two
-    models predict from the whole sequence (computed here independently); the output stays the
-    plain greedy one; the choice after a catch-up is told that the draft has caught up.
-    Sampled, it books sum min(p, q) at the same positions (numpy softmax of
-    independent forwards, T = 1), the catch-up's over the plain rounds' tokens only."""
+def test_auto_learns_from_the_catch_up_what_a_greedy_draft_would_do(pair, reference,
+                                                                    monkeypatch):
+    """Greedy k="auto" books after plain rounds whether the draft's argmax after each token it
+    catches up on was the token that followed, over the generated text only (its first catch-up
+    also feeds the prompt to a draft that started empty): it must be what the draft predicts
+    from the whole sequence (computed here independently); the output stays the plain greedy
+    one; the choice after a catch-up is told that the draft has caught up. Sampled, it books
+    sum min(p, q) at the same positions (numpy softmax of independent forwards, T = 1), over
+    the plain rounds' tokens."""
     import tinydraft_mlx.engine.speculative as spec
-    from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE, PROMPT_EVIDENCE
+    from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
 
     target, draft, tok = pair
     ids, ref = reference
@@ -625,25 +659,20 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=24)]
     assert out == ref[:24]
-    # the first round is plain, before the draft starts (it then prefills the whole prompt) and
-    # the policy is taken; 10 plain rounds more, the next chooses 2: the draft catches up, and
-    # the policy is asked again knowing that the draft is now in step (a look)
+    # the first round is plain (it does not ask the policy); 10 plain rounds more, the next
+    # chooses 2: the draft catches up, and the policy is asked again knowing that the draft is
+    # now in step (a look)
     assert policy.caught_up[:12] == [False] * 11 + [True]
-    fed = ids[:-1]  # the target's prefill feeds all but the prompt's last token
-    (t_pred, t_clear), (d_pred, d_clear) = (_argmax_after_each(m, fed, margins=True)
-                                            for m in (target, draft))
-    n = min(PROMPT_EVIDENCE, len(fed))
-    _agree_where_clear(policy.observed[0], [a == b for a, b in zip(t_pred[-n:], d_pred[-n:])],
-                       [a and b for a, b in zip(t_clear[-n:], d_clear[-n:])])
     seq = ids + out
-    # the 11 plain rounds emitted seq[len(ids):len(ids) + 11]; the catch-up feeds the draft
-    # what it missed but the last token: predictions after seq[j] for the last fed positions
-    caught = policy.observed[1]
+    # the 11 plain rounds emitted seq[len(ids):len(ids) + 11]; the catch-up feeds the draft all
+    # but the last token: its rows after seq[j] predict seq[j + 1], booked for the generated
+    # tokens only (after seq[len(ids) - 1], the prompt's last, on)
+    caught = policy.observed[0]
     end = len(ids) + 10  # the catch-up's last fed token is seq[end - 1]
     # (ids beyond the fixture draft's embedding occur: reading them unclamped gave garbage)
     after, clear = _argmax_after_each(draft, seq[:end], margins=True)
-    m = min(CATCH_UP_EVIDENCE, len(caught))
-    assert len(caught) == m and m >= 8
+    assert len(caught) == min(CATCH_UP_EVIDENCE, 11)
+    m = len(caught)
     _agree_where_clear(caught, [after[j] == seq[j + 1] for j in range(end - m, end)],
                        clear[end - m : end])
     policy.observed.clear()
@@ -653,16 +682,11 @@ def test_auto_learns_from_the_prompt_and_the_catch_up_what_a_greedy_draft_would_
     assert sampled[-1].stats.k_histogram[2] >= 1  # it did catch up and draft
     seq = ids + [t.id for t in sampled]
     t_logits, d_logits = (_logits_after_each(m, seq) for m in (target, draft))
-    first, caught = policy.observed
-    n = min(PROMPT_EVIDENCE, len(fed))  # after fed[-n:], i.e. predicting ids[-n:]
-    rows = slice(len(fed) - n, len(fed))
-    np.testing.assert_allclose(first, _acceptance_at_t1(t_logits[rows], d_logits[rows]),
-                               atol=1e-3)
-    # rows predicting the plain tokens the catch-up was fed after, seq[len(ids) + 1:len(ids) +
-    # 11] (the draft's start predicted the first, seq[len(ids)]): after seq[j - 1]
-    rows = slice(len(ids), len(ids) + 10)
+    (caught,) = policy.observed
+    # rows predicting the 11 plain tokens, seq[len(ids):len(ids) + 11]: after seq[j - 1]
+    rows = slice(len(ids) - 1, len(ids) + 10)
     expected = _acceptance_at_t1(t_logits[rows], d_logits[rows])
-    assert len(caught) == 10 and 0.05 < expected.mean() < 0.95  # neither certain nor hopeless
+    assert len(caught) == 11 and 0.05 < expected.mean() < 0.95  # neither certain nor hopeless
     np.testing.assert_allclose(caught, expected, atol=1e-3)
 
 
@@ -678,7 +702,8 @@ class _Drafting(ScriptedPolicy):
         super().__init__()
         self.booked: list[tuple[int, int]] = []
 
-    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0,
+               filled: bool = False) -> None:
         self.booked.append((k, accepted))
 
 
@@ -697,10 +722,10 @@ def test_a_round_accepted_whole_tells_whether_one_more_draft_would_have_been(dem
     ids = tok.encode(PROMPT)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=80)]
     seq = ids + out
-    # the first round is plain, before the draft starts and the policy is taken
-    assert sum(n + 1 for _, n in policy.booked) == len(out) - 1
+    # every round is booked (the first, plain whatever the policy says, too)
+    assert sum(n + 1 for _, n in policy.booked) == len(out)
     after, clear = _argmax_after_each(draft, seq, margins=True)
-    expected, where, end = [], [], len(ids) + 1
+    expected, where, end = [], [], len(ids)
     for (k, n), (k_next, _) in zip(policy.booked, policy.booked[1:]):
         end += n + 1  # seq[end - 1] is the round's last token (the target's)
         if k and n == k and k_next:  # accepted whole, then a drafting round: d_k is seq[end - 2]

@@ -246,24 +246,13 @@ def test_a_catch_ups_predictions_are_booked_as_runs_of_accepted_drafts():
     assert many.accepted[0] == pytest.approx(8.0) and many.rejected == [0.0] * 4
 
 
-def test_the_prompts_evidence_is_about_the_first_position():
-    """16 prompt tokens count for PROMPT_WEIGHT = 4 rounds (half a look's), or 8 where they say
-    the draft is rarely right (fewer than EXPLORE_MIN agree)."""
-    policy = DraftLengthPolicy(4)
-    policy.observe_first([True] * 12 + [False] * 4)
-    assert policy.accepted == [3.0, 0.0, 0.0, 0.0] and policy.rejected == [1.0, 0.0, 0.0, 0.0]
-    hopeless = DraftLengthPolicy(4)
-    hopeless.observe_first([True] * 4 + [False] * 12)
-    assert hopeless.accepted == [2.0, 0.0, 0.0, 0.0] and hopeless.rejected == [6.0, 0.0, 0.0, 0.0]
-
-
-def test_a_hopeless_draft_by_the_prompts_evidence_is_not_explored():
-    """A new pair whose draft never predicted as the target did after the prompt's last tokens
-    does not explore k = 1 at the start (without that evidence it does), and with acceptance 0
-    and a round of k costing 1 + k plain rounds it drafts only now and then afterwards."""
+def test_a_hopeless_draft_by_a_looks_evidence_is_not_explored():
+    """A new pair whose draft never predicted the token that followed on the text a look caught
+    it up on does not explore k = 1 (without that evidence it does), and with acceptance 0 and a
+    round of k costing 1 + k plain rounds it drafts only now and then afterwards."""
     hopeless = DraftLengthPolicy()
     hopeless.looks = True
-    hopeless.observe_first([False] * 16)
+    hopeless.observe([False] * 16)
     ks = []
     for _ in range(200):
         ks.append(hopeless.choose(100))
@@ -492,24 +481,17 @@ def test_a_generations_first_plain_stretch_looks_once():
     after a prompt are often the hardest: three rejected k = 1 rounds there kept fresh processes
     plain for 30-60 rounds where k = 1 pays throughout) looks at a generation's text after
     FIRST_LOOK rounds however much its evidence says drafting loses, once: a look that books a
-    catch-up ends it; not where the generation's prompt said the draft is rarely right (target
-    and draft predicting alike on fewer than EXPLORE_MIN of its last tokens, the share below
-    which a new pair does not explore either: a draft that all 16 prompt tokens disagreed with
-    paid a catch-up, ~1% of a 128-token generation, to find it hopeless again). Without looks,
-    no such probe. A policy that has looked at generated text before (a warm process), and a
-    fresh one whose prompt disagreed, looks at a new generation's text only where a look is
-    worth its catch-up (`_look_value`): not where much evidence says the draft is rarely right,
+    catch-up ends it. Without looks, no such probe. A policy that has looked at generated text
+    before (a warm process) looks at a new generation's text only where a look is worth its
+    catch-up (`_look_value`): not where much evidence says the draft is rarely right,
     nor where it says drafting loses by a clear margin (warm processes looked once a generation
     there and found nothing); and none in a generation's last HORIZON tokens."""
-    from tinydraft_mlx.engine.policy import EXPLORE_MIN, FIRST_LOOK, HORIZON
+    from tinydraft_mlx.engine.policy import FIRST_LOOK, HORIZON
 
     def rounds_to_look(accepted: float, rejected: float, looks: bool = True,
-                       due: bool = True, seen: bool = False, tokens: int = 200,
-                       prompt: int | None = None) -> int:
+                       due: bool = True, seen: bool = False, tokens: int = 200) -> int:
         policy = _near_break_even(accepted, rejected, 0)  # no Thompson draw acts in 100 rounds
         policy.looks, policy.look_due, policy.seen_text = looks, due, seen
-        if prompt is not None:  # of the prompt's last 16 tokens, `prompt` predicted alike
-            policy.observe_first([1.0] * prompt + [0.0] * (16 - prompt))
         policy.update(0, 0, 1.0)  # behind: 1
         for _ in range(1, 100):
             policy.plain_seconds = 0.0  # no probe budget: the look alone
@@ -524,11 +506,6 @@ def test_a_generations_first_plain_stretch_looks_once():
     assert rounds_to_look(*promising_but_losing, due=False) == 100
     assert rounds_to_look(0.0, 8.0) == FIRST_LOOK  # thin evidence against: it looks
     assert rounds_to_look(0.5, 39.5) == FIRST_LOOK  # strong: a fresh policy looks all the same
-    # unless the generation's prompt said the draft is rarely right: 4 of 16 agree, or none
-    assert 4 / 16 < EXPLORE_MIN <= 5 / 16
-    assert rounds_to_look(*promising_but_losing, prompt=5) == FIRST_LOOK
-    assert rounds_to_look(*promising_but_losing, prompt=4) == 100
-    assert rounds_to_look(0.0, 0.0, prompt=0) == 100
     assert rounds_to_look(*promising_but_losing, seen=True) == 100  # a warm one does not
     assert rounds_to_look(0.5, 39.5, seen=True) == 100
     # nor where what it finds has no tokens left to pay over: the generation's last HORIZON
@@ -703,7 +680,7 @@ def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
 
 
 def test_a_new_pair_that_looks_first_starts_plain_and_times_k1_after_its_first_look():
-    """Where the loop looks before it leaps, a new pair (no costs, the prompt's evidence at 0.5)
+    """Where the loop looks before it leaps, a new pair (no costs, evidence at 0.5)
     decodes its first FIRST_LOOK rounds plainly (R(0) timed first), looks at the text then, and
     times k = 1 in step right after the look, next to R(0)'s timings: not on the first tokens
     after the prompt, often the hardest (the fresh benchmark's first three drafts were rejected
@@ -719,20 +696,13 @@ def test_a_new_pair_that_looks_first_starts_plain_and_times_k1_after_its_first_l
     assert sum(k > 0 for k in run.ks) >= 0.8 * len(run.ks), run.ks
 
 
-def test_the_plain_start_does_not_force_a_look_on_every_generation(monkeypatch):
+def test_the_plain_start_does_not_force_a_look_on_every_generation():
     """The plain start holds only until the first look falls due; the look itself is the first
     look's rule's (once, whatever the evidence, before the policy has seen a text; afterwards
-    only where a look is worth it). A warm process whose prompts say 0.5 (not "rarely right")
-    and whose texts are hopeless never times a drafting round: taking the look in the start's
-    own branch forced one every generation (80 looks in 20 generations of 128 tokens, where the
-    rule's own are 61)."""
-    orig = DraftLengthPolicy.start_generation
-
-    def start(self):
-        orig(self)
-        self.observe_first([1.0] * 8 + [0.0] * 8)
-
-    monkeypatch.setattr(DraftLengthPolicy, "start_generation", start)
+    only where a look is worth it). A warm process whose texts are hopeless never times a
+    drafting round: taking the look in the start's own branch forced one every generation (80
+    looks in 20 generations of 128 tokens, where the rule's own were 61 with a prompt's evidence
+    at 0.5 booked every generation)."""
     run = looking_simulation(DraftLengthPolicy(4), 0.0, lambda r, k: 1.0 + k / 2,
                              generations=20, tokens=128)
     assert run.looks <= 65, run.looks
@@ -741,7 +711,7 @@ def test_the_plain_start_does_not_force_a_look_on_every_generation(monkeypatch):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_pair_whose_first_drafts_were_timed_in_a_busy_moment_drafts_again(seed):
-    """A new pair (no costs, the prompt's evidence at 0.5) whose first generation is too short
+    """A new pair (no costs, evidence at 0.5) whose first generation is too short
     for a first look (fewer than HORIZON tokens after it): its first three rounds draft k = 1,
     then plain rounds measure R(0). The machine is busy for that generation (every round at 2x:
     R(1) booked at 3, R(0)'s first estimate at 2), and the next generation's first 40 tokens are

@@ -4,11 +4,11 @@ each round from whichever has recently given more tokens per second), or none.
 
 The decode loop asks a `Drafter` for proposals and never what kind it holds:
 
-- `begin(seq, cache, predict)`: a generation starts on `seq` (the loop's growing list: prompt +
+- `begin(seq, cache, fill)`: a generation starts on `seq` (the loop's growing list: prompt +
   emitted); `cache` is the draft model's KV cache (None without a model). A model draft prefills
-  what its cache lacks but the last token, and returns its logits after each of the last
-  `predict` tokens it prefilled, (n, V): what it would draft after each, evidence for
-  `k="auto"` (None from the others); prompt lookup indexes `seq`.
+  what its cache lacks but the last token, or with `fill` False nothing yet: its first
+  `catch_up` feeds it all it lacks (`k="auto"` starts it when it first drafts or looks);
+  prompt lookup indexes `seq`.
 - `propose(k, sampling, key, history, processors, width)`: up to k tokens (k,) continuing `seq`
   and, when sampling, their distributions q (k, width) (point masses for a deterministic
   proposal); fewer (or none) where the source has nothing to offer.
@@ -68,8 +68,7 @@ class Drafter(Protocol):
     model: nn.Module | None
     policy_key: object
 
-    def begin(self, seq: list[int], cache: Cache | None,
-              predict: int = 0) -> mx.array | None: ...
+    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None: ...
 
     def propose(self, k: int, sampling: SamplingParams, key: mx.array | None,
                 history: mx.array | None, processors: Sequence[Processor],
@@ -93,8 +92,8 @@ class NoDraft:
 
     name, drafts, model, policy_key = NO_DRAFT, False, None, None
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
-        return None
+    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
+        pass
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         return _empty()
@@ -124,12 +123,11 @@ class ModelDraft:
         self.cache: Cache | None = None
         self._beyond: tuple[mx.array, int] | None = None  # (logits after d_k, the token after)
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
+    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
         """`cache` None: the model drafts in a batch, on the batch's cache."""
         self.seq, self.cache = seq, cache
-        if cache is None:
-            return None
-        return prefill(self.model, cache, seq[cache_length(cache) : -1], predict=predict)
+        if cache is not None and fill:
+            prefill(self.model, cache, seq[cache_length(cache) : -1])
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
@@ -188,9 +186,8 @@ class LookupDraft:
         self.policy_key = repr(settings)
         self.index: NgramIndex | None = None
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
+    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
         self.index = self.settings.index(seq)
-        return None
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         return _host(self.host_proposal(k), sampling, width)
@@ -277,12 +274,10 @@ class HybridDraft:
         self._began = 0.0  # when the round's proposal was made
         self._since_lookup = 0  # model rounds since lookup was last chosen
 
-    def begin(self, seq: list[int], cache: Cache | None, predict: int = 0) -> mx.array | None:
-        """No evidence for `k="auto"`: which source drafts changes from round to round."""
+    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
         self.seq = seq
         self.lookup.begin(seq, None)
-        self.inner.begin(seq, cache)
-        return None
+        self.inner.begin(seq, cache, fill)
 
     def host_proposal(self, k: int) -> list[int] | None:
         """This round's lookup proposal, or None when the model should draft; records which."""

@@ -338,17 +338,14 @@ def prefill(
     step: int = PREFILL_STEP,
     progress: Callable[[int], None] | None = None,
     predict: int = 0,
-    lazy: bool = False,
 ) -> mx.array | None:
     """Run `tokens` through `model`, filling `cache`, in chunks of `step` tokens; `progress(n)`
     after each chunk with the tokens processed so far. Returns the model's logits after each of
-    the last `predict` tokens, (min(predict, len(tokens)), V), evaluated unless `lazy` (None
-    where there are none). Lazy: the cache is filled, and the rows' own work (the last layer's
-    outputs, the final norm and the head) waits until they are read: on the demo target 5 ms of
-    a 20-token prompt's 19.7, where the cache alone takes 14.5. Only those rows go through the
-    LM head: where the model's head can be taken apart (`_head`), the last chunk runs whole and
-    its last hidden states go through it (the last chunk may then run up to `predict` - 1
-    tokens past `step`); elsewhere a chunk ends where the rows begin, a second forward.
+    the last `predict` tokens, (min(predict, len(tokens)), V), evaluated (None where there are
+    none). Only those rows go through the LM head: where the model's head can be taken apart
+    (`_head`), the last chunk runs whole and its last hidden states go through it (the last
+    chunk may then run up to `predict` - 1 tokens past `step`); elsewhere a chunk ends where the
+    rows begin, a second forward.
     (k="auto" predicts on every look: the second forward made a catch-up after 17-40 plain
     rounds ~1.7 ms of 5 slower, and a 20-token prompt's prefill 28 ms where k = 1's took 16.5,
     demo pair on a CPU.)"""
@@ -369,7 +366,7 @@ def prefill(
             logits = model(inputs, cache=cache)
             if start >= cut:
                 rows.append(logits[0])
-        mx.eval([layer.state for layer in cache], [] if lazy else rows)
+        mx.eval([layer.state for layer in cache], rows)
         if end < len(tokens):
             mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
         if progress is not None:

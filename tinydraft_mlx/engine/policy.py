@@ -35,28 +35,28 @@ Both sides are measured online, not assumed:
   process, once it has timed one: a file's k = 5 let a fresh process try k = 8), so a bad
   extrapolation costs one modest round, not a k_max-sized one.
 
-Where the loop looks before it leaps (below), a new pair's first rounds are plain: they measure
-R(0) (its first estimate is a stretch's second round, once a third shows it was not the last), the
+Where the loop looks before it leaps (below), a new pair's first rounds are plain: they measure R(0)
+(its first estimate is a stretch's second round, once a third shows it was not the last), the
 generation's first look (after `FIRST_LOOK` rounds) books the text's evidence, and k = 1 is then
 timed in step, three times unless the evidence says the first position is rarely accepted (below
 `EXPLORE_MIN`). Drafting the first rounds after the prompt explored on the text's hardest tokens
-(the fresh benchmark's prompt: its first three drafts rejected in every run) and timed R(1) ahead
-of R(0) (in 16 fresh processes the first R(1) / R(0) ran 8% above the same process's later one,
-1.85 against 1.66 where a process then stayed plain). Replayed (bench/auto_replay.py, three noise
-levels, two cost worlds): fresh texts on average -0.3 to +1.0%, the hard-start text +0.9-3.6%,
-texts whose first tokens are drafted well down to -0.8%. Without looks (logits processors, ranks),
-or where a generation is too short for its first look (fewer than `HORIZON` tokens left after it),
-the first rounds draft one token, timed three times unless the evidence says the first position is
-rarely accepted (the draft is in step with the target after the prefill: exploring then costs no
-catch-up); then plain rounds measure R(0). One unlucky start (a traced step, rejected drafts) must
-not keep a process plain for a whole generation, nor may exploring cost much where speculation
-cannot pay (timing k = 1..3 twice each cost a fresh process 5% of its generation there). A process
-that starts from the policy file does the same: it times k = 1 (where the first position is
-promising) and R(0) itself before its costs decide, and k = 1 three times before it concludes plain
-decoding: the file's costs may have been measured under another process's load, and a process that
-decodes plainly never re-times a drafting k, one that drafts never re-times R(0) (a file's R(0) too
-high kept processes drafting k = 1 at acceptance 0.35, where plain decoding was 1.15x faster, for
-whole generations).
+(the fresh benchmark's prompt: its first three drafts rejected in every run) and timed R(1) ahead of
+R(0) (in 16 fresh processes the first R(1) / R(0) ran 8% above the same process's later one, 1.85
+against 1.66 where a process then stayed plain). Replayed (bench/auto_replay.py, three noise levels,
+two cost worlds): fresh texts on average -0.3 to +1.0%, the hard-start text +0.9-3.6%, texts whose
+first tokens are drafted well down to -0.8%. Without looks (logits processors, ranks), or where a
+generation is too short for its first look (fewer than `HORIZON` tokens left after it), the first
+rounds draft one token, timed three times unless the evidence says the first position is rarely
+accepted (the draft is in step with the target after the prefill: exploring then costs no catch-up,
+or where it started empty the catch-up that fills it); then plain rounds measure R(0). One unlucky
+start (a traced step, rejected drafts) must not keep a process plain for a whole generation, nor may
+exploring cost much where speculation cannot pay (timing k = 1..3 twice each cost a fresh process 5%
+of its generation there). A process that starts from the policy file does the same: it times k = 1
+(where the first position is promising) and R(0) itself before its costs decide, and k = 1 three
+times before it concludes plain decoding: the file's costs may have been measured under another
+process's load, and a process that decodes plainly never re-times a drafting k, one that drafts
+never re-times R(0) (a file's R(0) too high kept processes drafting k = 1 at acceptance 0.35, where
+plain decoding was 1.15x faster, for whole generations).
 
 When plain decoding wins on the means, speculation is still tried in three ways:
 - where the draft is in step (it drafted the last round, or has just caught up on a look),
@@ -91,12 +91,12 @@ When plain decoding wins on the means, speculation is still tried in three ways:
 And where the loop looks first, a generation's first stretch of plain rounds looks at its text
 once, after `FIRST_LOOK` rounds (a catch-up of a few tokens), whatever the evidence says while the
 policy has not looked at a generated text yet (`seen_text`: a fresh process's evidence is the
-prompt's and the first tokens', often the hardest), so that the text being written decides
-whether it is drafted; a policy that has (a warm process's) looks only where a look is worth it,
-as above, and so does a fresh one whose generation's prompt said the draft is rarely right (target
-and draft agreeing on fewer than `EXPLORE_MIN` of its last tokens: a look found such a draft
-hopeless again, ~1% of a 128-token generation). Neither that look nor a budgeted probe is taken
-in a generation's last `HORIZON` tokens: what they find would have nothing left to pay over.
+first tokens', often the hardest), so that the text being written decides whether it is drafted;
+a policy that has (a warm process's) looks only where a look is worth it, as above. Neither that
+look nor a budgeted probe is taken in a generation's last `HORIZON` tokens: what they find would
+have nothing left to pay over. Where the loop looks first the draft model starts a generation
+empty (speculative.py) and that first look feeds it the prompt too; until then nothing of the
+draft runs, so a generation that never looks nor drafts costs what plain decoding does.
 
 A plain choice where the loop looks first stands for `HOLD_ROUNDS` rounds (`choose`, `_due`): what
 decides a plain stretch's rounds moves slowly (evidence fading by `PLAIN_DECAY` a round, R(0)
@@ -111,15 +111,14 @@ up on the probability that a one-token draft there would have been accepted (`ob
 whether the draft's argmax was the token that followed, exactly where and how far a greedy draft
 would have been accepted; sampled: sum min(p, q) of the warped distributions, with the target's p
 kept from the plain steps), and chooses again; a probe that finds speculation hopeless costs the
-catch-up only. A generation's start books the same kind of evidence for the first position from the
-prompt (`observe_first`: target and draft after its last `PROMPT_EVIDENCE` tokens; half a look's
-weight, a look's where it says the draft is rarely right), so that a new pair whose draft is
-hopeless does not explore at all. Greedy, a round accepted whole also tells whether one more draft
-position would have been accepted (`observe_beyond`: the next round's first draft step feeds d_k and
-the target's token after it, so the draft's argmax after d_k comes with it): a policy drafting k
-learns alpha_(k+1) without drafting k + 1. Without it, k = 1 rounds never reached position 2, whose
-acceptance was then assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is 0.85-0.9
-given the first).
+catch-up only. (A generation's start booked the same kind of evidence from the prompt, target
+and draft after its last 16 tokens: on the demo pair its forwards cost 2.7-5 ms a generation,
+more than the look it could spare; docs/design.md.) Greedy, a round accepted whole also tells
+whether one more draft position would have been accepted (`observe_beyond`: the next round's
+first draft step feeds d_k and the target's token after it, so the draft's argmax after d_k
+comes with it): a policy drafting k learns alpha_(k+1) without drafting k + 1. Without it, k = 1
+rounds never reached position 2, whose acceptance was then assumed to be the pooled rate (0.6-0.7
+on the demo pair, where it is 0.85-0.9 given the first).
 
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
@@ -155,11 +154,10 @@ DEFAULT_K: int | str = AUTO
 MAX_REGIMES = 16  # sampling regimes whose acceptance a pair keeps (least recently used go)
 EXPLORE_KS = (1,)  # each timed EXPLORE_TIMES times before plain decoding may be concluded
 EXPLORE_TIMES = 3
-PROMPT_EVIDENCE = 16  # the last prompt tokens whose predictions by target and draft are compared
+DRAFT_RATIO = 0.25  # a draft step's cost over a plain round's, assumed until one is measured
 EXPLORE_MIN = 0.3  # mean first-position acceptance below which a new pair does not explore
 CATCH_UP_EVIDENCE = 16  # the last tokens a catch-up predicts, as evidence (`observe`)
 CATCH_UP_WEIGHT = 8.0  # rounds' worth of evidence a catch-up's predictions count for at most
-PROMPT_WEIGHT = 4.0  # ... and a prompt's, unless they say the draft is rarely right (then 8)
 STRETCH_BOOK = 8  # a stretch's middle rounds booked together (R(0): their median round)
 RECENT = 15  # a drafting k's cost R(k): the median of its last RECENT timings in this process
 PLAIN_DECAY = 0.99  # per plain round, where the loop looks before it leaps (half-life ~70)
@@ -246,7 +244,7 @@ class DraftLengthPolicy:
         self,
         k_max: int = AUTO_MAX_K,
         *,
-        draft_ratio: float = 0.25,
+        draft_ratio: float = DRAFT_RATIO,
         decay: float = 0.97,
         smoothing: float = 0.1,
         prior_strength: float = 2.0,
@@ -276,8 +274,6 @@ class DraftLengthPolicy:
         self.look_due = False  # a generation's first plain stretch has not looked yet
         self.chosen: Counter[int] = Counter()
         self.seen_text = False  # a catch-up's evidence (of generated text) has been booked
-        # this generation's prompt said the draft is rarely right (`observe_first`)
-        self.prompt_disagrees = False
         # within one `choose` (the costs do not change): the costs in use, each k's round cost
         self._known: dict[int, float] | None = None
         self._ks: list[int] = []  # its k, sorted
@@ -361,14 +357,13 @@ class DraftLengthPolicy:
 
     # -- decisions -------------------------------------------------------------------------------
     def start_generation(self) -> None:
-        """A generation starts: its draft is in step with its target (both prefilled), its first
-        plain stretch has not looked at its text yet (FIRST_LOOK), no plain time has earned a
-        probe, no plain choice holds, and its prompt has said nothing yet (`observe_first`)."""
+        """A generation starts: its draft is in step with its target (or starts empty: its first
+        catch-up fills it), its first plain stretch has not looked at its text yet (FIRST_LOOK),
+        no plain time has earned a probe and no plain choice holds."""
         self.plain_seconds = 0.0
         self.look_due = True
         self.behind = 0
         self.held = 0
-        self.prompt_disagrees = False
 
     def choose(self, limit: int, caught_up: bool = False) -> int:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
@@ -400,7 +395,7 @@ class DraftLengthPolicy:
         by PLAIN_DECAY a round, R(0) is booked every STRETCH_BOOK rounds, a look's value grows as
         the evidence fades. So the full choice (10-40 us of Python, 3-4x that in the loop where
         the host shares a 2-core CPU with MLX's compute) is made every HOLD_ROUNDS plain rounds,
-        and new evidence (a look, a drafting round, a generation's prompt) ends a hold at once."""
+        and new evidence (a look, a drafting round) ends a hold at once."""
         if limit < HORIZON:  # no probe in a generation's last HORIZON tokens
             return False
         return self.plain_seconds * self.probe_budget >= self._switch_price()
@@ -419,7 +414,7 @@ class DraftLengthPolicy:
         # the first position's mean acceptance under a uniform prior: 1/3 after one rejection
         promising = (1.0 + self.accepted[0]) / (2.0 + self.accepted[0] + self.rejected[0]) \
             >= EXPLORE_MIN
-        look_pending = self.look_due and not self.prompt_disagrees and (
+        look_pending = self.look_due and (
             0 not in self.costs.here or self.behind < FIRST_LOOK)
         if self.looks and not caught_up and not self.costs.here - {0} and look_pending \
                 and remaining >= HORIZON + max(0, FIRST_LOOK - self.behind):
@@ -480,7 +475,7 @@ class DraftLengthPolicy:
         # where the loop looks before it leaps, a look is worth its catch-up when what it may find
         # is: `_look_value`. A generation's first plain stretch looks at its text once (module
         # docstring) whatever that says while this policy has not looked at a text yet (its
-        # evidence is the prompt's and the first tokens', often the hardest); afterwards (a warm
+        # evidence is the first tokens', often the hardest); afterwards (a warm
         # process) only where the look is worth it: warm processes whose draft is rarely right
         # looked once a generation and found nothing (~2.5% of a 64-token generation)
         worth_a_look = bool(measured) and self._looks_first() and self._look_value(
@@ -490,7 +485,7 @@ class DraftLengthPolicy:
         # cost 6.5 ms, 4% of the generation, and could have gained at most a few tokens)
         room = remaining >= HORIZON
         if self.look_due and self.looks and self.behind >= FIRST_LOOK and room and (
-                worth_a_look or not self.seen_text and not self.prompt_disagrees):
+                worth_a_look or not self.seen_text):
             self.look_due = False
             self.plain_seconds = 0.0
             return best
@@ -601,19 +596,23 @@ class DraftLengthPolicy:
             return switch
         return switch + self.round_cost(k) - self.expected_tokens(alphas, k) * self.round_seconds[0]
 
-    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0) -> None:
+    def update(self, k: int, accepted: int, seconds: float, catch_up: float = 0.0,
+               filled: bool = False) -> None:
         """Book a round that drafted k tokens, of which the first `accepted` were kept, in
         `seconds` of wall time; seconds <= 0: the time is unknown or unrepresentative (the
         round traced a compiled step), only the acceptance is booked. `catch_up`: seconds the
         draft spent catching up on plain rounds before this one, not part of `seconds`: the
-        price of a switch, which prices probes but not sustained drafting (round_seconds)."""
+        price of a switch, which prices probes but not sustained drafting (round_seconds);
+        `filled`: that catch-up also fed a draft that started empty the prompt (its first in a
+        generation), not a switch's price."""
         self.chosen[k] += 1
         self.costs.rounds += 1
         if k > 0 or catch_up > 0:
             self.held = 0
         if catch_up > 0:
             self.look_due = False
-            self.costs.book_switch(self.behind, catch_up)
+            if not filled:
+                self.costs.book_switch(self.behind, catch_up)
             self.behind = 0  # the draft has caught up (a round may still end up plain)
         self.behind = self.behind + 1 if k == 0 else 0
         if k > 0:
@@ -678,23 +677,6 @@ class DraftLengthPolicy:
                 self.accepted[position] += 1.0
             else:
                 self.rejected[position] += 1.0
-
-    def observe_first(self, evidence: list[float]) -> None:
-        """Book evidence on the first draft position only: per prompt token, the probability that a
-        one-token draft after it would have been accepted (greedy: target and draft predicting
-        alike; sampled: sum min(p, q)). Where they agree on fewer than EXPLORE_MIN of it, it counts
-        for CATCH_UP_WEIGHT rounds (a look's), and the generation's first plain stretch does not
-        look at its text whatever the evidence says (`_choose`): only where a look is worth it.
-        Otherwise it counts for PROMPT_WEIGHT rounds, half a look's: a prompt (instructions, a
-        question) is not the text being written (on the demo pair's texts the prompt's agreement,
-        0.38-0.69, did not rank the texts' acceptance, 0.46-0.80); at full weight the fresh
-        benchmark's first look put the first position at 0.51 where its text gives 0.68. Replayed
-        (bench/auto_replay.py): fresh texts where k = 1 pays +0.1-0.5%, no other cell moved beyond
-        +-0.2%; weighting a disagreeing prompt less too cost -0.9% where the prompt misleads and
-        -0.7% on an always-rejected draft."""
-        self.prompt_disagrees = bool(evidence) and sum(evidence) < EXPLORE_MIN * len(evidence)
-        weight = CATCH_UP_WEIGHT if self.prompt_disagrees else PROMPT_WEIGHT
-        self._add_evidence([sum(evidence)], [len(evidence)], len(evidence), weight)
 
     def _add_evidence(self, accepted: list[float], reached: list[float], starts: int,
                       weight: float = CATCH_UP_WEIGHT) -> None:

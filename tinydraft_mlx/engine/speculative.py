@@ -39,7 +39,7 @@ from .policy import (
     AUTO,
     CATCH_UP_EVIDENCE,
     DEFAULT_K,
-    PROMPT_EVIDENCE,
+    DRAFT_RATIO,
     DraftLengthPolicy,
     sampling_regime,
     save_policy,
@@ -149,9 +149,11 @@ class _Generation:
     whole: int = 0  # tokens the latest round drafted if it was accepted whole (else 0)
     # sampled looks: the target's logits (1, V) at the current plain stretch's last tokens
     plain_rows: list[mx.array] = field(default_factory=list)
-    # the drafter's start, left until the first token is out (k="auto": `_prefill`); until
-    # then every round is plain
-    deferred: Callable[[], None] | None = None
+    # k="auto" with a draft model on one rank: the draft starts empty (`_prefill`), its first
+    # catch-up fills it (`fills`: not yet), and the first round is plain
+    draft_cache: Cache | None = None
+    fills: bool = False
+    target_token_seconds: float = 0.0  # the target's prefill time per token (the draft ratio)
 
     @property
     def pipelined(self) -> bool:
@@ -176,7 +178,7 @@ class _Generation:
 
     def choose(self, limit: int) -> int:
         """k for a round that may emit at most limit + 1 tokens."""
-        if self.deferred is not None:  # the draft has not started yet
+        if self.fills and not self.stats.generated:  # the first token is the target's alone
             return 0
         if self.policy is None:
             return min(self.k_cap, limit)
@@ -275,14 +277,18 @@ def _start(target, draft, prompt, k, max_tokens, sampling, eos_token_ids, target
 
 def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
              callback: Progress | None) -> None:
-    """Prefill the target (with progress) and the drafter; with k="auto", take the pair's
-    policy, its first guess of a draft step seeded by the draft/target prefill time ratio.
+    """Prefill the target (with progress) and start the drafter; with k="auto", take the pair's
+    policy.
 
-    With k="auto" and a draft model (one rank), the draft's start (its prefill, the prompt's
-    evidence, the policy) waits until the first token is out (`_Generation.deferred`): the first
-    round is plain whatever the policy would say, so the time to the first token is the target's
-    alone (demo pair, CPU: the draft's prefill and the evidence on 16 prompt rows put k="auto"'s
-    first token 8-11 ms behind plain decoding's, 9-15 ms at T = 0.7; docs/design.md)."""
+    With k="auto" and a draft model (one rank), the draft starts empty: nothing is prefilled for
+    it here, and the first round is plain whatever the policy would say, so the time to the
+    first token is the target's alone. Its first catch-up (the policy's first look at the text,
+    or its first drafting round) feeds it the prompt and what has been generated, in one
+    forward, and sets the policy's draft/target cost ratio from that forward's time per token
+    over the target prefill's. A generation that never drafts nor looks never runs the draft
+    (demo pair, CPU: the draft's prefill and an evidence comparison on 16 prompt rows, 4.8-7 ms
+    a generation whether the draft was used or not, put k="auto" 4-6% behind plain decoding on
+    an always-rejected draft; docs/design.md)."""
     pending = g.seq[cache_length(g.target_cache) : -1]
     progress = None
     if callback is not None:
@@ -292,57 +298,42 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
     auto = k == AUTO and g.drafter.drafts
     # k="auto" learns from the draft's predictions where they tell what a draft would have had
     # accepted: without logits processors (the draft would apply them), on one rank (ranks
-    # agree on k once a round); from the last prompt tokens here, from the plain rounds it
-    # catches up on later (`_rounds`): `_one_token_acceptance`
+    # agree on k once a round); from the plain rounds it catches up on (`_rounds`):
+    # `_catch_up_evidence`
     g.looks = auto and not g.processors and g.ranks is None
-    predict = PROMPT_EVIDENCE if g.looks else 0
     start = time.perf_counter()
     with mx.stream(g.stream):
         if progress is not None:
             progress(0)
-        # its rows after the prompt's last tokens (the prompt's evidence) are used at the
-        # draft's start, and computed then (lazy): the cache alone decides the first token
-        expected = prefill(g.target, g.target_cache, pending, progress=progress,
-                           predict=predict, lazy=True)
+        prefill(g.target, g.target_cache, pending, progress=progress)
     g.stats.prefill_seconds = target_prefill = time.perf_counter() - start
-
-    def begin_draft() -> None:
-        _begin_draft(g, draft_cache, auto, expected, target_prefill)
-
-    if auto and g.drafter.model is not None and g.ranks is None:
-        g.deferred = begin_draft  # after the first token (docstring)
-    else:
-        begin_draft()
-
-
-def _begin_draft(g: _Generation, draft_cache: Cache | None, auto: bool,
-                 expected: mx.array | None, target_prefill: float) -> None:
-    """The drafter's start (`_prefill`): it prefills what its cache lacks of `g.seq` but the
-    last token; with k="auto" the pair's policy, and the prompt's evidence: per position of the
-    target's `expected` rows (its logits after each of the prompt's last tokens), whether the
-    draft would have predicted alike. Started after the first token (`deferred`), the draft
-    also prefills the prompt's last token (the target's first round did); its row after it is
-    left out, so that the evidence covers the same prompt positions either way."""
-    late = g.stats.generated > 0
-    predict = PROMPT_EVIDENCE + late if g.looks else 0
+    if pending:
+        g.target_token_seconds = target_prefill / len(pending)
+    g.draft_cache = draft_cache
+    g.fills = auto and g.drafter.model is not None and g.ranks is None
     start = time.perf_counter()
     with mx.stream(g.stream):
-        predicted = g.drafter.begin(g.seq, draft_cache, predict=predict)  # prefills it
-        if late and predicted is not None:  # rows after prompt tokens only
-            predicted = predicted[:-1] if predicted.shape[0] > 1 else None
+        g.drafter.begin(g.seq, draft_cache, fill=not g.fills)
     draft_prefill = time.perf_counter() - start
     g.stats.prefill_seconds += draft_prefill
     if auto:  # acceptance is learned per sampling regime
-        ratio = draft_prefill / target_prefill if target_prefill > 1e-3 else 0.25
+        ratio = DRAFT_RATIO  # until the draft's first catch-up measures it (`_filled`)
+        if not g.fills and target_prefill > 1e-3:
+            ratio = draft_prefill / target_prefill
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
                                  sampling_regime(g.sampling))
         g.policy.looks = g.looks
         g.looks = g.looks and g.policy.looks  # (a stand-in policy may decline)
-        if expected is not None and predicted is not None:  # the same last prompt positions
-            both = min(expected.shape[0], predicted.shape[0])
-            g.policy.observe_first(_one_token_acceptance(expected[-both:], predicted[-both:],
-                                                         g.sampling))
         g.stats.policy = g.policy
+
+
+def _filled(g: _Generation, seconds: float, fed: int) -> None:
+    """The draft, started empty (`_prefill`), has been fed `fed` tokens in `seconds` by its
+    first catch-up: the policy's draft/target cost ratio from their times per token."""
+    g.fills = False
+    if fed and g.target_token_seconds > 0 and g.policy is not None:
+        ratio = seconds / fed / g.target_token_seconds
+        g.policy.draft_ratio = min(1.0, max(0.0, ratio))
 
 
 def _rounds(g: _Generation) -> Iterator[Token]:
@@ -353,18 +344,21 @@ def _rounds(g: _Generation) -> Iterator[Token]:
     device's (the step queued past the last token is rolled back by `decode`'s `finally`)."""
     chosen, step = None, None  # the next round's k and plain step, when already decided
     while g.stats.generated < g.max_tokens:
-        if g.deferred is not None and g.stats.generated:  # the draft starts (`_prefill`;
-            g.deferred()  # not kept after: it holds the target's evidence rows, (16, V))
-            g.deferred = None
         start, traced = time.perf_counter(), trace_count()
         limit = g.max_tokens - g.stats.generated - 1
         k = g.choose(limit) if chosen is None else chosen
         chosen, catch_up = None, 0.0
+        filled = False
         if k > 0:  # after plain rounds the draft catches up first, which k="auto" learns from
             looked = time.perf_counter()
+            if g.fills:  # the draft's first catch-up also feeds it the prompt (`_prefill`)
+                fed = len(g.seq) - 1 - cache_length(g.draft_cache)
             with mx.stream(g.stream):
                 catch_up, rows = g.drafter.catch_up(predict=CATCH_UP_EVIDENCE if g.looks else 0)
                 evidence = _catch_up_evidence(g, rows) if rows is not None else []
+            if g.fills and catch_up > 0:
+                _filled(g, catch_up, fed)
+                filled = True
             if evidence:
                 k = g.reconsider(evidence, limit)
             if catch_up > 0:  # the look's whole price, its evidence included (its rows' head
@@ -394,7 +388,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
                 timed = trace_count() == traced
                 if (yield from _commit(g, proposed[:n] + [token], len(proposed), logprobs,
-                                       start, timed, catch_up)):
+                                       start, timed, catch_up, filled)):
                     return
                 continue
         pipelined, g.whole = step is not None, 0
@@ -415,7 +409,8 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         # one queued behind it too; the policy leaves its last, which waits for little, out of
         # R(0) as well); ranks run every plain step unpipelined
         timed = trace_count() == traced and (pipelined or not g.pipelined)
-        if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up)):
+        if (yield from _commit(g, [token], 0, step.logprobs[None], start, timed, catch_up,
+                               filled)):
             return
         step = following
 
@@ -434,7 +429,10 @@ def _catch_up_evidence(g: _Generation, rows: mx.array) -> list[float]:
     per position the probability that a one-token draft would have been accepted. Greedy, the
     target's argmax is the token that followed; sampled, the target's distribution there is
     known for the plain stretch's tokens only (`plain_rows`)."""
-    n = rows.shape[0]
+    n = min(rows.shape[0], g.stats.generated)  # generated text only (a first catch-up also
+    if n == 0:  # feeds the prompt, text the target did not write)
+        return []
+    rows = rows[-n:]
     if g.sampling.greedy:
         drafted = mx.argmax(rows, axis=-1).tolist()
         return [float(d == t) for d, t in zip(drafted, g.seq[-n:])]
@@ -457,19 +455,21 @@ def _queue(g: _Generation, token: mx.array, history: mx.array | None) -> _Step:
 
 
 def _commit(g: _Generation, tokens: list[int], drafted: int, logprobs: mx.array,
-            start: float, timed: bool, catch_up: float) -> Generator[Token, None, bool]:
+            start: float, timed: bool, catch_up: float,
+            filled: bool = False) -> Generator[Token, None, bool]:
     """Book a round that drafted `drafted` tokens and accepted all but the last of `tokens`,
     then emit them; returns True when the generation has finished (EOS or max_tokens). The
     draft's catch-up is the price of switching from plain rounds, booked apart from the round's
-    own cost; a round that traced a compiled step (once per shape and process) books acceptance
-    only."""
+    own cost (`filled`: it also fed a draft that started empty the prompt, no switch's price);
+    a round that traced a compiled step (once per shape and process) books acceptance only."""
     n = len(tokens) - 1
     elapsed = time.perf_counter() - start
     g.stats.record_round(drafted, n)
     g.stats.decode_seconds += elapsed
     g.stats.peak_memory = mx.get_peak_memory() / 1e9
     if g.policy is not None:
-        g.policy.update(drafted, n, elapsed - catch_up if timed else 0.0, catch_up=catch_up)
+        g.policy.update(drafted, n, elapsed - catch_up if timed else 0.0, catch_up=catch_up,
+                        filled=filled)
     for i, tok in enumerate(tokens):
         g.seq.append(tok)
         g.stats.generated += 1
