@@ -17,6 +17,7 @@ over prompts x repeats.
 Writes results/<name>.json and results/<name>.png.
 
     python bench/auto.py --fresh [REPEATS]                 # 5 repeats: ~20 minutes
+    python bench/auto.py --fresh-policy [ROUNDS]           # 24 rounds: ~8 minutes
 
 Fresh processes, as every CLI run is: each contender (plain, k = 1..4, "auto, no file" with the
 policy file off, "auto, file" with the policy file a previous process wrote) runs one prompt x
@@ -26,6 +27,15 @@ tokens/s over plain decoding's in the same process (one 128-token generation bef
 one after: a process's speed varied by up to 2x between processes on a shared 2-core machine);
 at T = 0 and at T = 0.7 with top-p 0.8, top-k 20 (Qwen2.5-Instruct's defaults), and with the
 oracle draft at alpha 0 (a draft that is always rejected: speculation cannot pay).
+
+Fresh policies in one process (`--fresh-policy`): what a fresh process's first generation does,
+resolved to a few percent. A process's speed moves +-15% between processes here and "best fixed
+k" is the largest of four noisy medians, so a fresh-process run cannot tell 5%; the policy is
+what is fresh in a fresh process (its compiled steps are traced first either way). So, in one
+process, per cell and round, every contender (plain, k = 1..4, k="auto" with the pair's policy
+cleared before its generation) runs the same 128-token generation once, in a shuffled order;
+tokens/s from the call to the last token (prefills in). Ratios of means over ROUNDS rounds
+(default 24), with 95% bootstrap intervals (rounds resampled); results/auto_fresh_policy.*.
 """
 
 from __future__ import annotations
@@ -278,6 +288,105 @@ def fresh_plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def fresh_policy_main(rounds: int = 24) -> None:
+    """results/auto_fresh_policy.*: the module docstring's "Fresh policies in one process"."""
+    import random
+
+    os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # the policy of this process alone
+    target, draft, tok = load_models()
+    ids = tok.encode(PROMPTS[0])
+    ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0, seed=0)[0]
+    drafts = {"real": draft, "alpha 0": OracleDraft(draft, ref, 0.0, 0, target)}
+    names = ["plain", "k=1", "k=2", "k=3", "k=4", "auto"]
+    cells = []
+    for cell, temp in FRESH_CELLS:
+        model = drafts[cell]
+        sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
+        for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
+            ours(target, model if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp,
+                 seed=1, **sampling)
+        runs: dict[str, list[float]] = {n: [] for n in names}
+        drafted: list[int] = []
+        for r in range(rounds):
+            order = names[:]
+            random.Random(r).shuffle(order)
+            for name in order:
+                cold()
+                k = "auto" if name == "auto" else 1 if name == "plain" else int(name[2:])
+                start = time.perf_counter()
+                out, _, stats = ours(target, None if name == "plain" else model, tok, ids, k=k,
+                                     max_tokens=FRESH_TOKENS, temp=temp, seed=0, **sampling)
+                runs[name].append(len(out) / (time.perf_counter() - start))
+                if name == "auto":
+                    drafted.append(stats.drafted)
+        fixed = [n for n in names if n.startswith("k=")]
+        mean = {n: statistics.fmean(v) for n, v in runs.items()}
+        point, intervals = _auto_ratios(runs, fixed, rounds)
+        cells.append({"cell": cell, "temp": temp, "tok_s": mean, "runs": runs,
+                      "vs_plain": {n: v / mean["plain"] for n, v in mean.items()},
+                      "best_fixed": max(fixed, key=mean.get),
+                      "auto_vs_plain": point[0], "auto_vs_plain_95": intervals[0],
+                      "auto_vs_best_fixed": point[1], "auto_vs_best_fixed_95": intervals[1],
+                      "auto_drafted_median": statistics.median(drafted)})
+        print({k: v for k, v in cells[-1].items() if k != "runs"}, flush=True)
+    report = {"settings": {"prompt": PROMPTS[0], "max_tokens": FRESH_TOKENS, "rounds": rounds,
+                           "sampled": {"top_p": 0.8, "top_k": 20}, "dtype": model_dtype(target),
+                           "blas": active_blas(),
+                           "tokens_per_s": "from the call to the last token"},
+              "machine": machine(), "cells": cells}
+    save(report, "auto_fresh_policy", fresh_policy_plot)
+
+
+def _auto_ratios(runs: dict[str, list[float]], fixed: list[str],
+                 rounds: int) -> tuple[tuple[float, float], list[list[float]]]:
+    """auto's mean tokens/s over plain's and over the best fixed k's, and their 95% bootstrap
+    intervals (rounds resampled, 2000 draws)."""
+    import random
+
+    def ratios(picks: list[int]) -> tuple[float, float]:
+        mean = {n: statistics.fmean(v[i] for i in picks) for n, v in runs.items()}
+        return mean["auto"] / mean["plain"], mean["auto"] / max(mean[n] for n in fixed)
+
+    rng = random.Random(0)
+    boots = [ratios([rng.randrange(rounds) for _ in range(rounds)]) for _ in range(2000)]
+    intervals = []
+    for j in (0, 1):
+        ordered = sorted(b[j] for b in boots)
+        intervals.append([ordered[int(0.025 * len(ordered))],
+                          ordered[int(0.975 * len(ordered)) - 1]])
+    return ratios(list(range(rounds))), intervals
+
+
+def fresh_policy_plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    cells = report["cells"]
+    names = list(cells[0]["vs_plain"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
+        values = [c["vs_plain"][name] for c in cells]
+        style = {"color": "black"} if name == "auto" else {}
+        ax.bar(xs, values, width=width, label=name, **style)
+        if name == "auto":  # its 95% interval over plain
+            low = [v - c["auto_vs_plain_95"][0] for v, c in zip(values, cells)]
+            high = [c["auto_vs_plain_95"][1] - v for v, c in zip(values, cells)]
+            ax.errorbar(xs, values, yerr=[low, high], fmt="none", ecolor="red", capsize=3)
+            for x, v, c in zip(xs, values, cells):
+                ax.text(x, v + 0.06, f"{c['auto_vs_best_fixed']:.2f}\nof best", ha="center",
+                        fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(cells)), [f"{c['cell']} draft, T={c['temp']}" for c in cells])
+    ax.set_ylim(0, 1.4)
+    s = report["settings"]
+    ax.set(ylabel=f"tokens/s vs plain (mean of {s['rounds']} rounds)",
+           title=f"k='auto' with a fresh policy, one process (demo pair, {s['dtype']}, one "
+                 f"prompt x {s['max_tokens']} tokens, prefills in)")
+    ax.legend(fontsize=8, ncol=len(names), loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def label(cell: dict) -> str:
     if cell["draft"] == "real":
         return f"real draft, T={cell['temp']}"
@@ -322,6 +431,8 @@ if __name__ == "__main__":
         print(json.dumps(fresh_worker(sys.argv[2], sys.argv[3], float(sys.argv[4]))))
     elif sys.argv[1:2] == ["--fresh"]:
         fresh_main(*map(int, sys.argv[2:3]))
+    elif sys.argv[1:2] == ["--fresh-policy"]:
+        fresh_policy_main(*map(int, sys.argv[2:3]))
     elif sys.argv[1:2] == ["--fresh-from"]:
         import json
 

@@ -538,6 +538,32 @@ def auto_fresh(r: dict) -> list[str]:
     return lines
 
 
+def auto_fresh_policy(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    names = list(r["cells"][0]["tok_s"])
+    lines = [
+        f"**k=\"auto\" with a fresh policy, in one process** (`python bench/auto.py "
+        f"--fresh-policy`; demo pair, {s['dtype']}, one prompt x {s['max_tokens']} tokens, "
+        f"{s['rounds']} rounds of every contender in shuffled order, the policy cleared before "
+        f"each auto generation; tokens/s from the call to the last token, means; {m['device']}, "
+        f"BLAS: {m['blas']}; [json](results/auto_fresh_policy.json), "
+        "[plot](results/auto_fresh_policy.png)). In brackets: 95% bootstrap intervals.",
+        "",
+        "| draft, T | " + " | ".join(names) + " | auto / plain | auto / best fixed k | "
+        "auto drafted (median tokens) |",
+        "| --- | " + "--- | " * (len(names) + 3),
+    ]
+    for c in r["cells"]:
+        cells = [f"{c['tok_s'][n]:.0f} ({c['vs_plain'][n]:.2f}x)" for n in names]
+        lo, hi = c["auto_vs_plain_95"]
+        blo, bhi = c["auto_vs_best_fixed_95"]
+        lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells)
+                     + f" | {c['auto_vs_plain']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                     f"{c['auto_vs_best_fixed']:.3f} [{blo:.3f}, {bhi:.3f}] ({c['best_fixed']}) | "
+                     f"{c['auto_drafted_median']:g} |")
+    return lines
+
+
 def auto_replay(r: dict) -> list[str]:
     s = r["settings"]
     costs = s["costs"]
@@ -623,6 +649,7 @@ def main() -> None:
         ("auto", auto),
         ("auto_shapes", auto),
         ("auto_fresh", auto_fresh),
+        ("auto_fresh_policy", auto_fresh_policy),
         ("auto_replay", auto_replay),
         ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
