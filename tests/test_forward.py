@@ -28,6 +28,24 @@ def test_buffer_sizes():
         256, 256, 512, 1024, 4096, 8192, 12288]
 
 
+def _random_steps(target, ours, eager, rng, vocab, steps, sizes) -> float:
+    """`steps` forwards of random tokens (a length from `sizes` each), compiled on `ours` and
+    eager on `eager`, each followed half the time by a rollback of some of its tokens on both;
+    every row's argmax equal. Returns the largest logit difference."""
+    worst = 0.0
+    for _ in range(steps):
+        n = rng.choice(sizes)
+        tokens = mx.array([[rng.randrange(vocab) for _ in range(n)]], dtype=mx.int32)
+        got, want = forward(target, tokens, ours), target(tokens, cache=eager)
+        worst = max(worst, mx.abs(got - want).max().item())
+        assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+        drop = rng.randrange(n + 1) if rng.random() < 0.5 else 0
+        keep = ours[0].offset - drop
+        rollback(ours, keep)
+        rollback(eager, keep)
+    return worst
+
+
 def test_compiled_matches_eager_through_rollbacks_and_growth(pair):
     """200 random steps of 1, 2 or 5 tokens with random rollbacks, from 240 cached tokens to
     past two buffer sizes (256, 512): every logit row equal to the eager forward's within float
@@ -40,17 +58,7 @@ def test_compiled_matches_eager_through_rollbacks_and_growth(pair):
     prefill(target, ours, prompt)
     prefill(target, eager, prompt)
     before = traces(target)
-    worst = 0.0
-    for _ in range(200):
-        n = rng.choice([1, 2, 5])
-        tokens = mx.array([[rng.randrange(vocab) for _ in range(n)]], dtype=mx.int32)
-        got, want = forward(target, tokens, ours), target(tokens, cache=eager)
-        worst = max(worst, mx.abs(got - want).max().item())
-        assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
-        drop = rng.randrange(n + 1) if rng.random() < 0.5 else 0
-        keep = ours[0].offset - drop
-        rollback(ours, keep)
-        rollback(eager, keep)
+    worst = _random_steps(target, ours, eager, rng, vocab, 200, [1, 2, 5])
     assert traces(target) > before  # the compiled step ran (not a silent eager fallback)
     assert ours[0].offset == eager[0].offset > 512
     assert ours[0].keys.shape[2] == buffer_size(ours[0].offset) == 1024
@@ -95,17 +103,7 @@ def test_bounded_compiled_matches_eager_through_wraps_and_rollbacks(pair, window
     prefill(target, ours, prompt)
     prefill(target, eager, prompt)
     before = traces(target)
-    worst = 0.0
-    for _ in range(150):
-        n = rng.choice([1, 2, margin + 1])
-        tokens = mx.array([[rng.randrange(vocab) for _ in range(n)]], dtype=mx.int32)
-        got, want = forward(target, tokens, ours), target(tokens, cache=eager)
-        worst = max(worst, mx.abs(got - want).max().item())
-        assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
-        drop = rng.randrange(n + 1) if rng.random() < 0.5 else 0
-        keep = ours[0].offset - drop
-        rollback(ours, keep)
-        rollback(eager, keep)
+    worst = _random_steps(target, ours, eager, rng, vocab, 150, [1, 2, margin + 1])
     assert traces(target) > before  # the compiled step ran (not a silent eager fallback)
     assert ours[0].offset == eager[0].offset > 3 * window
     assert worst < 1e-4
