@@ -113,7 +113,8 @@ would have been accepted; sampled: sum min(p, q) of the warped distributions, wi
 kept from the plain steps), and chooses again; a probe that finds speculation hopeless costs the
 catch-up only. (A generation's start booked the same kind of evidence from the prompt, target
 and draft after its last 16 tokens: on the demo pair its forwards cost 2.7-5 ms a generation,
-more than the look it could spare; docs/design.md.) Greedy, a round accepted whole also tells
+whether the draft was used or not, about what the one look it could spare costs;
+docs/design.md.) Greedy, a round accepted whole also tells
 whether one more draft position would have been accepted (`observe_beyond`: the next round's
 first draft step feeds d_k and the target's token after it, so the draft's argmax after d_k
 comes with it): a policy drafting k learns alpha_(k+1) without drafting k + 1. Without it, k = 1

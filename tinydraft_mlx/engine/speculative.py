@@ -193,7 +193,6 @@ class _Generation:
         return keys
 
 
-
 @dataclass
 class _Step:
     """A plain step queued on the device: its token (1,), its log-probabilities (V,), the

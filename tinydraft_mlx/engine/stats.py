@@ -30,6 +30,8 @@ class GenerationStats:
     accepted_length_counts: list[int] = field(default_factory=list)
     # k -> rounds that drafted k tokens (k="auto" choices; prompt lookup may find fewer than k)
     k_histogram: dict[int, int] = field(default_factory=dict)
+    # the target's prefill and the draft's (with k="auto" the draft starts empty: its first
+    # catch-up, which fills it, is part of the rounds' time, `decode_seconds`)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory: float = 0.0  # GB, mx.get_peak_memory() after the latest round (as mlx-lm)
