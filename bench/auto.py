@@ -248,6 +248,20 @@ def fresh_report(runs: list[dict]) -> None:
     save(report, "auto_fresh", fresh_plot)
 
 
+def bars(axis, cells: list[dict], names: list[str], key: str,
+         styles: dict[str, dict] | None = None) -> list[tuple[str, list[float], list[float]]]:
+    """Draw one bar per contender in each cell, of cell[key][contender], side by side (a
+    contender's matplotlib keywords in `styles`); returns (name, xs, values) per contender."""
+    width = 0.8 / len(names)
+    drawn = []
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
+        values = [c[key][name] for c in cells]
+        axis.bar(xs, values, width=width, label=name, **(styles or {}).get(name, {}))
+        drawn.append((name, xs, values))
+    return drawn
+
+
 def fresh_plot(report: dict, path: Path) -> None:
     plt = pyplot()
     cells = report["cells"]
@@ -255,19 +269,7 @@ def fresh_plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(15 if timed else 10, 4.5),
                              gridspec_kw={"width_ratios": [2, 1]} if timed else None)
     ax = axes[0] if timed else axes
-    width = 0.8 / len(FRESH)
-
-    def bars(axis, key: str) -> list[tuple[str, list[float], list[float]]]:
-        """Draw one bar per contender in each cell, of c[key][contender]; (name, xs, values)."""
-        drawn = []
-        for j, name in enumerate(FRESH):
-            xs = [i + (j - (len(FRESH) - 1) / 2) * width for i in range(len(cells))]
-            values = [c[key][name] for c in cells]
-            axis.bar(xs, values, width=width, label=name)
-            drawn.append((name, xs, values))
-        return drawn
-
-    for name, xs, values in bars(ax, "vs_plain"):
+    for name, xs, values in bars(ax, cells, FRESH, "vs_plain"):
         if name.startswith("auto"):
             for x, v in zip(xs, values):
                 ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=7)
@@ -280,7 +282,7 @@ def fresh_plot(report: dict, path: Path) -> None:
     ax.legend(fontsize=8, ncol=len(FRESH), loc="upper center")
     if timed:  # time to the first token, from the call (medians)
         right = axes[1]
-        bars(right, "ttft_ms")
+        bars(right, cells, FRESH, "ttft_ms")
         right.set_xticks(range(len(cells)), [f"{c['cell']}, T={c['temp']}" for c in cells],
                          fontsize=8)
         right.set(ylabel="ms (median)", title="time to the first token")
@@ -362,12 +364,7 @@ def fresh_policy_plot(report: dict, path: Path) -> None:
     cells = report["cells"]
     names = list(cells[0]["vs_plain"])
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
-        values = [c["vs_plain"][name] for c in cells]
-        style = {"color": "black"} if name == "auto" else {}
-        ax.bar(xs, values, width=width, label=name, **style)
+    for name, xs, values in bars(ax, cells, names, "vs_plain", {"auto": {"color": "black"}}):
         if name == "auto":  # its 95% interval over plain
             low = [v - c["auto_vs_plain_95"][0] for v, c in zip(values, cells)]
             high = [c["auto_vs_plain_95"][1] - v for v, c in zip(values, cells)]
@@ -405,12 +402,8 @@ def plot(report: dict, path: Path) -> None:
     cells = report["cells"]
     names = list(cells[0]["vs_plain"])
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cells)), 4.5))
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
-        style = {"color": "black"} if name == "auto warm" else {"color": "dimgrey"} \
-            if name == "auto cold" else {}
-        ax.bar(xs, [c["vs_plain"][name] for c in cells], width=width, label=name, **style)
+    bars(ax, cells, names, "vs_plain",
+         {"auto warm": {"color": "black"}, "auto cold": {"color": "dimgrey"}})
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(cells)), [label(c) for c in cells], fontsize=8)
     model = Path(report["settings"]["target"] or "demo").name

@@ -345,10 +345,9 @@ def prefill(
     none). Only those rows go through the LM head: where the model's head can be taken apart
     (`_head`), the last chunk runs whole and its last hidden states go through it (the last
     chunk may then run up to `predict` - 1 tokens past `step`); elsewhere a chunk ends where the
-    rows begin, a second forward.
-    (k="auto" predicts on every look: the second forward made a catch-up after 17-40 plain
-    rounds ~1.7 ms of 5 slower, and a 20-token prompt's prefill 28 ms where k = 1's took 16.5,
-    demo pair on a CPU.)"""
+    rows begin, a second forward. (k="auto" predicts on every look: the second forward made a
+    catch-up after 17-40 plain rounds ~1.7 ms of 5 slower, and a 20-token prompt's prefill 28 ms
+    where k = 1's took 16.5, demo pair on a CPU.)"""
     tokens = model_inputs(model, tokens)
     cut = max(0, len(tokens) - predict)
     head = _head(model) if predict else None

@@ -114,12 +114,12 @@ kept from the plain steps), and chooses again; a probe that finds speculation ho
 catch-up only. (A generation's start booked the same kind of evidence from the prompt, target
 and draft after its last 16 tokens: on the demo pair its forwards cost 2.7-5 ms a generation,
 whether the draft was used or not, about what the one look it could spare costs;
-docs/design.md.) Greedy, a round accepted whole also tells
-whether one more draft position would have been accepted (`observe_beyond`: the next round's
-first draft step feeds d_k and the target's token after it, so the draft's argmax after d_k
-comes with it): a policy drafting k learns alpha_(k+1) without drafting k + 1. Without it, k = 1
-rounds never reached position 2, whose acceptance was then assumed to be the pooled rate (0.6-0.7
-on the demo pair, where it is 0.85-0.9 given the first).
+docs/design.md.) Greedy, a round accepted whole also tells whether one more draft position would
+have been accepted (`observe_beyond`: the next round's first draft step feeds d_k and the target's
+token after it, so the draft's argmax after d_k comes with it): a policy drafting k learns
+alpha_(k+1) without drafting k + 1. Without it, k = 1 rounds never reached position 2, whose
+acceptance was then assumed to be the pooled rate (0.6-0.7 on the demo pair, where it is 0.85-0.9
+given the first).
 
 What is learned is kept per (target, draft) pair across generations (`shared_policy`): the costs
 (`RoundCosts`) once per pair, since they do not depend on how tokens are sampled; the acceptance
