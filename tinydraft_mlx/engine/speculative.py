@@ -414,20 +414,12 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         step = following
 
 
-def _one_token_acceptance(p: mx.array, q: mx.array, sampling: SamplingParams) -> list[float]:
-    """Per row of target logits `p` (n, V) and draft logits `q` (n, V') after the same text: the
-    probability that a one-token draft there is accepted. Greedy: whether the argmaxes agree;
-    sampled: sum min(p, q) of the warped distributions (`rejection.acceptance_probability`)."""
-    if sampling.greedy:
-        return (mx.argmax(p, axis=-1) == mx.argmax(q, axis=-1)).astype(mx.float32).tolist()
-    return acceptance_probability(warp(p, sampling), warp(q, sampling)).tolist()
-
-
 def _catch_up_evidence(g: _Generation, rows: mx.array) -> list[float]:
     """What a catch-up's draft logits `rows` (predicting seq[-n:]) tell about drafting there:
     per position the probability that a one-token draft would have been accepted. Greedy, the
     target's argmax is the token that followed; sampled, the target's distribution there is
-    known for the plain stretch's tokens only (`plain_rows`)."""
+    known for the plain stretch's tokens only (`plain_rows`): sum min(p, q) of the warped
+    distributions (`rejection.acceptance_probability`)."""
     n = min(rows.shape[0], g.stats.generated)  # generated text only (a first catch-up also
     if n == 0:  # feeds the prompt, text the target did not write)
         return []
@@ -438,7 +430,8 @@ def _catch_up_evidence(g: _Generation, rows: mx.array) -> list[float]:
     m = min(n, len(g.plain_rows))
     if m == 0:
         return []
-    return _one_token_acceptance(mx.concatenate(g.plain_rows[-m:]), rows[-m:], g.sampling)
+    p = warp(mx.concatenate(g.plain_rows[-m:]), g.sampling)
+    return acceptance_probability(p, warp(rows[-m:], g.sampling)).tolist()
 
 
 def _queue(g: _Generation, token: mx.array, history: mx.array | None) -> _Step:
