@@ -739,3 +739,72 @@ def test_a_round_accepted_whole_tells_whether_one_more_draft_would_have_been(dem
     policy.rounds = 0
     list(decode(target, draft, ids, k="auto", max_tokens=30, sampling=SamplingParams(1.0, seed=0)))
     assert policy.beyond == []
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_draft_steps_run_ahead_propose_what_the_draft_predicts(demo, monkeypatch, k):
+    """With every drafting round queuing the next round's first draft step behind its verify
+    (forced), each greedy proposal is still the draft's prediction from the whole sequence (an
+    independent forward), in rounds that used the step run ahead (after a round accepted whole)
+    and in rounds after a rejection (the step dropped, its two positions rolled back); the draft
+    cache ends holding a prefix of seq[:-1]. The demo pair: rounds of both kinds."""
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
+
+    monkeypatch.setattr(spec, "AHEAD_MIN", 0.0)
+    target, draft, tok = demo
+    proposals = []
+    propose = drafters.ModelDraft.propose
+
+    def recorded(self, k, *args):
+        ahead = self._ahead is not None
+        drafts, q = propose(self, k, *args)
+        proposals.append((len(self.seq), np.array(drafts).tolist(), ahead))
+        return drafts, q
+
+    monkeypatch.setattr(drafters.ModelDraft, "propose", recorded)
+    ids = tok.encode(PROMPT)
+    tc, dc = make_cache(target), make_cache(draft)
+    out = [t.id for t in decode(target, draft, ids, k=k, max_tokens=80, target_cache=tc,
+                                draft_cache=dc)]
+    seq = ids + out
+    assert {ahead for *_, ahead in proposals} == {True, False}
+    got, expected, clear = [], [], []
+    for length, drafts, _ in proposals:
+        after, margins = _argmax_after_each(draft, seq[:length] + drafts[:-1], margins=True)
+        got += drafts
+        expected += after[length - 1 :]
+        clear += margins[length - 1 :]
+    _agree_where_clear(got, expected, clear)
+    assert cache_length(dc) <= len(seq) - 1
+    _assert_cache_holds(draft, dc, seq[: cache_length(dc)])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_step_run_ahead_changes_no_token(demo, monkeypatch, temperature):
+    """The forward run ahead is the one the next round's first draft step would run (same
+    tokens, cache and compiled shape) and its token is drawn there with the round's own key: a
+    seeded generation gives the same tokens with every step run ahead as with none (k = 1, 3;
+    greedy and sampled), and the steps run ahead were used."""
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, tok = demo
+    ids = tok.encode(PROMPT)
+    starts = []
+    chain = drafters._draft_chain
+
+    def counted(*args):
+        starts.append(args[9] is not None)
+        return chain(*args)
+
+    monkeypatch.setattr(drafters, "_draft_chain", counted)
+    for k in (1, 3):
+        runs = []
+        for least in (0.0, 2.0):  # every round queues one; none does
+            monkeypatch.setattr(spec, "AHEAD_MIN", least)
+            starts.clear()
+            runs.append(generate(target, draft, tok, ids, k=k, max_tokens=60, seed=7,
+                                 temperature=temperature, top_p=0.9)[0])
+            assert any(starts) == (least == 0.0)
+        assert runs[0] == runs[1] and len(set(runs[0])) > 10

@@ -5,6 +5,8 @@ width, sharing one tokenizer, written by transformers 5 and loaded through load_
 the CPU in float32, the oracle's device and precision.
 """
 
+from collections import Counter
+
 import mlx.core as mx
 import pytest
 
@@ -201,3 +203,27 @@ def test_auto_with_its_real_policy_matches_oracle(pair, references):
         assert out == ref
         # one policy per (target, draft) pair, carried across generations
         assert stats.policy is not None and sum(stats.policy.chosen.values()) >= stats.rounds
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_steps_run_ahead_match_oracle(pair, references, k, monkeypatch):
+    """Every drafting round queues the next round's first draft step behind its verify
+    (`ModelDraft.ahead`, here forced where the loop's own gate would decide): the output is still
+    the oracle's, the queued steps were used (rounds accepted whole) and dropped (the others)."""
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
+
+    monkeypatch.setattr(spec, "AHEAD_MIN", 0.0)
+    starts = []
+    chain = drafters._draft_chain
+
+    def counted(*args):
+        starts.append(args[9] is not None)  # `start`: the first step ran ahead
+        return chain(*args)
+
+    monkeypatch.setattr(drafters, "_draft_chain", counted)
+    target, draft, tok = pair
+    for ids, ref in references.values():
+        out, _ = generate(target, draft, tok, ids, k=k, max_tokens=NEW_TOKENS)
+        assert out == ref
+    assert any(starts) and not all(starts), Counter(starts)

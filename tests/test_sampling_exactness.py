@@ -107,3 +107,57 @@ def test_same_seed_same_output_and_seeds_differ(pair):
             for s in (11, 11, 12)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def test_a_draft_step_run_ahead_keeps_the_distribution(pair, oracle, monkeypatch):
+    """k = 1 at temperature 1, top-k 3, every drafting round queuing the next round's first
+    draft step behind its verify (`ModelDraft.ahead`, forced here). The first round drafts t1;
+    where it was accepted whole (t1 and the bonus t2), the second round's first draft step ran
+    ahead, so given (t1, t2) the pair (t3, t4) must follow the oracle's exact two-step joint
+    after them, whether the token drawn from it was accepted or not (both paths are required).
+    Pooled over every prefix seen at least 30 times: the sum of the per-prefix chi-squares
+    against the Wilson-Hilferty 1 - 3.2e-5 quantile of their summed degrees of freedom; the same
+    samples against the joints without top-k must exceed it. (Fails where the token is drawn
+    from the logits run ahead but its q taken from the row before them.)"""
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
+
+    monkeypatch.setattr(spec, "AHEAD_MIN", 0.0)
+    starts = []
+    chain = drafters._draft_chain
+
+    def counted(*args):
+        drafts, *rest = chain(*args)
+        # args[9]: the first step's forward ran ahead; then the token drawn from it
+        starts.append(None if args[9] is None else drafts[0].item())
+        return (drafts, *rest)
+
+    monkeypatch.setattr(drafters, "_draft_chain", counted)
+    target, draft, tok = pair
+    ids = tok.encode(PROMPT)
+    cache = PromptCache(target, draft_model(draft))
+    samples, paths = [], Counter()
+    for seed in range(2000):
+        starts.clear()
+        out, _ = generate(target, draft, tok, ids, k=1, max_tokens=4, seed=seed, top_k=3,
+                          temperature=1.0, prompt_cache=cache)
+        if len(starts) > 1 and starts[1] is not None:  # the second round drafted ahead
+            samples.append(tuple(out))
+            paths[out[2] == starts[1]] += 1
+    assert paths[True] > 0 and paths[False] > 0, paths
+    prefixes = Counter(s[:2] for s in samples)
+    stats = {"exact": [0.0, 0], "wrong": [0.0, 0]}
+    used = 0
+    for prefix, m in prefixes.items():
+        if m < 30:
+            continue
+        used += m
+        counts = Counter(s[2:4] for s in samples if s[:2] == prefix)
+        for name, kw in [("exact", dict(top_k=3)), ("wrong", {})]:
+            joint = two_step_joint(oracle.logits, ids + list(prefix), temperature=1.0, **kw)
+            stat, df = chi2_statistic(counts, joint, m)
+            stats[name][0] += stat
+            stats[name][1] += df
+    assert used > 1000, (used, len(samples))
+    assert stats["exact"][0] < chi2_threshold(stats["exact"][1]), stats
+    assert stats["wrong"][0] > chi2_threshold(stats["wrong"][1]), stats

@@ -22,7 +22,14 @@ The decode loop asks a `Drafter` for proposals and never what kind it holds:
   would have been accepted there (evidence for `k="auto"`, from logits the step computed
   anyway), as a lazy (1,) int32 array (1: it was), which the loop reads with the round's
   verdict, in one host sync; None otherwise and from drafters without a model.
-- `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix).
+- `ahead(last, token)`: queue the forward of the next round's first draft step behind this
+  round's verify, as if the round were accepted whole (`last`: d_k, `token`: the target's token
+  after it, both lazy (1,)); True where something was queued (a model draft), else False. The
+  next `propose` draws its first token from those logits (the same draw, with the same key, as
+  without the step run ahead) where the round was accepted whole and nothing was fed since;
+  `rollback` to fewer tokens than it saw drops it.
+- `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix; one
+  more, the target's token, after a round accepted whole whose next step ran ahead).
 - `drafts` (False: plain decoding), `model` (the model whose cache generation and prompt caches
   keep), `policy_key` (what `k="auto"` keeps its learning under), `name` ("model",
   "prompt-lookup", "hybrid", "none").
@@ -36,13 +43,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import Cache, cache_length, rollback
-from .forward import forward, model_inputs, prefill
+from .forward import forward, model_inputs, prefill, vocab_width
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
 from .policy import AUTO, AUTO_MAX_K
 from .policy_store import fingerprint
@@ -78,6 +86,8 @@ class Drafter(Protocol):
 
     def beyond(self) -> mx.array | None: ...
 
+    def ahead(self, last: mx.array, token: mx.array) -> bool: ...
+
     def rollback(self, keep: int) -> None: ...
 
     def host_proposal(self, k: int) -> list[int] | None: ...
@@ -104,6 +114,9 @@ class NoDraft:
     def beyond(self) -> mx.array | None:
         return None
 
+    def ahead(self, last, token) -> bool:
+        return False
+
     def rollback(self, keep: int) -> None:
         pass
 
@@ -122,25 +135,51 @@ class ModelDraft:
         self.seq: list[int] = []
         self.cache: Cache | None = None
         self._beyond: tuple[mx.array, int] | None = None  # (logits after d_k, the token after)
+        self._ahead: _Ahead | None = None  # the next round's first step, queued (`ahead`)
 
     def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
         """`cache` None: the model drafts in a batch, on the batch's cache."""
-        self.seq, self.cache = seq, cache
+        self.seq, self.cache, self._ahead = seq, cache, None
         if cache is not None and fill:
             prefill(self.model, cache, seq[cache_length(cache) : -1])
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
-        plain rounds)."""
+        plain rounds), or all of it where the first step ran ahead (`ahead`)."""
         self._beyond = None
+        start, self._ahead = self._ahead, None
         if k == 0:
             return _empty()
-        unseen = self.seq[cache_length(self.cache) :]
+        held = cache_length(self.cache)
+        if start is not None and not (start.length == held == len(self.seq)):
+            start = None  # plain rounds since, or the round was not accepted whole
+        unseen = [self.seq[-2], self.seq[-1]] if start is not None else self.seq[held:]
         drafts, q, after = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
-                                        history, processors, width)
+                                        history, processors, width,
+                                        None if start is None else start.rows)
         if len(unseen) == 2 and sampling.greedy and not processors:
             self._beyond = after[-2], unseen[-1]
         return drafts, q
+
+    def ahead(self, last: mx.array, token: mx.array) -> bool:
+        """Queue the forward of the next round's first draft step behind this round's verify,
+        as if the round were accepted whole: feed the draft d_k (`last`, (1,)) and the target's
+        token after it (`token`, (1,), lazy: the bonus if all k were accepted). The device runs
+        it while the host reads the verdict and books the round; `propose` draws from its
+        logits where the round was accepted whole and nothing has been fed since (what the
+        step would have computed then: same inputs, same cache, same compiled shape), else
+        `rollback` drops it with its two positions. Nothing where the model drafts in a batch
+        (no cache of its own)."""
+        if self.cache is None:
+            return False
+        x = mx.concatenate([last, token]).astype(mx.int32)
+        width = vocab_width(self.model)
+        if width is not None:
+            x = mx.minimum(x, width - 1)
+        rows = forward(self.model, x[None], self.cache)[0]  # (2, Vq)
+        mx.async_eval(rows)
+        self._ahead = _Ahead(cache_length(self.cache), rows)
+        return True
 
     def beyond(self) -> mx.array | None:
         """See the module docstring; the argmax of logits the proposal's first step computed,
@@ -167,6 +206,8 @@ class ModelDraft:
         return time.perf_counter() - start, rows
 
     def rollback(self, keep: int) -> None:
+        if self._ahead is not None and self._ahead.length > keep:
+            self._ahead = None
         if self.cache is not None:
             rollback(self.cache, keep)
 
@@ -197,6 +238,9 @@ class LookupDraft:
 
     def beyond(self) -> mx.array | None:
         return None
+
+    def ahead(self, last, token) -> bool:
+        return False
 
     def rollback(self, keep: int) -> None:
         pass  # the index reads `seq` itself
@@ -314,6 +358,10 @@ class HybridDraft:
         """None: which source drafts changes from round to round."""
         return None
 
+    def ahead(self, last, token) -> bool:
+        """Nothing queued: the next round may well be a lookup round."""
+        return False
+
     def rollback(self, keep: int) -> None:
         """Also the end of a round: keep - (seq's length at the proposal) tokens of this round's
         proposal were accepted."""
@@ -379,6 +427,15 @@ def draft_logits(
     return process_logits(row, history, drafts, processors)[0, : logits.shape[-1]]
 
 
+@dataclass
+class _Ahead:
+    """A first draft step's forward queued ahead (`ModelDraft.ahead`): the draft cache's length
+    after it (seq's length where it is used) and its logits after each of its two tokens."""
+
+    length: int
+    rows: mx.array
+
+
 def _draft_chain(
     draft: nn.Module,
     cache: Cache,
@@ -389,6 +446,7 @@ def _draft_chain(
     history: mx.array | None = None,
     processors: Sequence[Processor] = (),
     width: int | None = None,
+    start: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None, mx.array]:
     """Propose k tokens. Returns draft tokens (k,), when sampling their distributions q (k, V),
     and the first step's logits after each of `unseen`, (len(unseen), Vq), lazily (raw: before
@@ -396,12 +454,16 @@ def _draft_chain(
 
     Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
     With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
+    `start`: the first step's logits, its forward on `unseen` already run (`ModelDraft.ahead`).
     """
     keys = None if params.greedy else mx.random.split(key, k)
     x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
     tokens, qs, first = [], [], None
     for i in range(k):
-        all_logits = forward(draft, x[None], cache)[0]  # (L, Vq)
+        if i == 0 and start is not None:  # the step's forward ran ahead (`ModelDraft.ahead`)
+            all_logits = start
+        else:
+            all_logits = forward(draft, x[None], cache)[0]  # (L, Vq)
         first = all_logits if first is None else first
         logits = draft_logits(all_logits[-1], history, tokens, processors, width)
         if params.greedy:

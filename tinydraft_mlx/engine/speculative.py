@@ -8,6 +8,13 @@ Knows nothing about text: token ids in, token ids out. Each round the draft prop
 steps are queued with `mx.async_eval`, no host sync along the chain), the target scores
 [last, d_1..d_k] in one forward pass, the acceptance rule keeps n of them plus one target token, and
 both caches roll back to the accepted prefix. One `.tolist()` per round is the only host sync.
+Where most recent rounds were accepted whole (`AHEAD_MIN`), the round also queues the next round's
+first draft step behind its verify (`Drafter.ahead`: the draft fed d_k and the target's token after
+it, still lazy), so that the device runs it while the host reads the verdict and books the round:
+used where the round was accepted whole (its token drawn then, with the key that round would have
+used anyway: seeded tokens do not change), dropped with its two positions where it was not (demo
+pair, CPU, T = 0: k = 1 rounds after a round accepted whole 7% shorter, after a rejection 6%
+longer; docs/design.md, "Performance model").
 
 Cache bookkeeping: `seq` is prompt + emitted tokens. At the start of a round the target holds
 seq[:-1] (seq[-1] is pending) and the draft holds a prefix of it; whatever the draft has not seen
@@ -69,6 +76,10 @@ class Token:
     finish_reason: str | None = None
 
 
+AHEAD_MIN = 0.5  # share of rounds accepted whole from which a first draft step runs ahead
+AHEAD_DECAY = 0.1  # weight of the latest round in that share
+
+
 def _verify(
     target: nn.Module,
     cache: Cache,
@@ -80,10 +91,12 @@ def _verify(
     history: mx.array | None = None,
     processors: Sequence[Processor] = (),
     also: mx.array | None = None,
-) -> tuple[list[int], mx.array]:
-    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync, and
-    the (k+1, V) log-probabilities of the processed logits (lazy). `also`: a lazy (m,) int32
-    array read in the same sync, its values appended to the list.
+    ahead: Drafter | None = None,
+) -> tuple[list[int], mx.array, bool]:
+    """Score [last, d_1..d_k] in one pass; return [n, token, d_1..d_k] with one host sync, the
+    (k+1, V) log-probabilities of the processed logits (lazy), and whether `ahead` (a drafter)
+    queued the next round's first draft step behind the verify (`Drafter.ahead`), before the
+    sync. `also`: a lazy (m,) int32 array read in the same sync, its values appended to the list.
 
     With `processors`, position i's logits are processed with history + d_1..d_(i-1) (history:
     prompt + emitted tokens), exactly what plain decoding would see there.
@@ -109,7 +122,12 @@ def _verify(
         n, token = with_warp(speculative_accept, params)(logits, q, drafts[None], key)
     logprobs = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)  # (k+1, Vp)
     tail = [] if also is None else [also.astype(drafts.dtype)]
-    return mx.concatenate([n, token, drafts, *tail]).tolist(), logprobs
+    out = mx.concatenate([n, token, drafts, *tail])
+    queued = False
+    if ahead is not None:  # the next round's first draft step, run while the host reads this
+        mx.async_eval(out)
+        queued = ahead.ahead(drafts[-1:], token)
+    return out.tolist(), logprobs, queued
 
 
 def _rollback_both(target_cache: Cache, drafter: Drafter, keep: int) -> None:
@@ -147,6 +165,10 @@ class _Generation:
     width: int | None = None
     looks: bool = False  # k="auto" takes the draft's predictions as evidence (_prefill)
     whole: int = 0  # tokens the latest round drafted if it was accepted whole (else 0)
+    # a drafting round queues the next round's first draft step behind its verify
+    # (`Drafter.ahead`): without logits processors, on one rank
+    aheads: bool = False
+    whole_rate: float = AHEAD_MIN  # recent share of drafting rounds accepted whole
     # sampled looks: the target's logits (1, V) at the current plain stretch's last tokens
     plain_rows: list[mx.array] = field(default_factory=list)
     # k="auto" with a draft model on one rank: the draft starts empty (`_prefill`), its first
@@ -270,7 +292,7 @@ def _start(target, draft, prompt, k, max_tokens, sampling, eos_token_ids, target
     g = _Generation(target, target_cache, drafter, list(prompt), stats, sampling,
                     frozenset(eos_token_ids), max_tokens, processors, generation_stream(),
                     mx.random.key(seed), max_draft_length(drafter, k), ranks=ranks,
-                    width=vocab_width(target))
+                    width=vocab_width(target), aheads=not processors and ranks is None)
     return g, draft_cache
 
 
@@ -375,16 +397,20 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 # stays behind, catching up in this round, whose first draft step so tells
                 # whether one more position would have been accepted there (read with the verdict)
                 beyond = g.drafter.beyond() if g.looks and g.whole else None
+                ahead = g.drafter if g.aheads and g.whole_rate >= AHEAD_MIN else None
                 with mx.stream(g.stream):
-                    values, logprobs = _verify(
+                    values, logprobs, queued = _verify(
                         g.target, g.target_cache, g.seq[-1], drafts, q, g.sampling,
-                        verify_key, history, g.processors, also=beyond)
+                        verify_key, history, g.processors, also=beyond, ahead=ahead)
                 if beyond is not None:
                     g.policy.observe_beyond(g.whole, bool(values.pop()))
                 n, token, *proposed = values  # keep seq + d_1..d_n
                 g.whole = len(proposed) if n == len(proposed) else 0
+                g.whole_rate += AHEAD_DECAY * (bool(g.whole) - g.whole_rate)
                 g.plain_rows.clear()
-                _rollback_both(g.target_cache, g.drafter, len(g.seq) + n)
+                rollback(g.target_cache, len(g.seq) + n)
+                # accepted whole, a draft step queued ahead saw the bonus token too: it stays
+                g.drafter.rollback(len(g.seq) + n + bool(g.whole and queued))
                 timed = trace_count() == traced
                 if (yield from _commit(g, proposed[:n] + [token], len(proposed), logprobs,
                                        start, timed, catch_up, filled)):
