@@ -602,8 +602,7 @@ class BatchDecoder:
         rows = self.rows
         width = 1 + max(r.round_k for r in rows)
         x = inputs if inputs is not None else self._inputs(width)
-        if self.width is not None:
-            x = mx.minimum(x, self.width - 1)  # a wider draft's ids: see speculative._verify
+        x = model_inputs(self.target, x)  # a wider draft's ids: see speculative._verify
         logits = forward_batch(self.target, x, self.target_cache)  # (B, L, V)
         simple = [not r.processors and r.sampling.greedy for r in rows]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None

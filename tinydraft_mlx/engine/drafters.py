@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import Cache, cache_length, rollback
-from .forward import forward, model_inputs, prefill, vocab_width
+from .forward import forward, model_inputs, prefill
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
 from .policy import AUTO, AUTO_MAX_K
 from .policy_store import fingerprint
@@ -153,7 +153,7 @@ class ModelDraft:
         held = cache_length(self.cache)
         if start is not None and not (start.length == held == len(self.seq)):
             start = None  # plain rounds since, or the round was not accepted whole
-        unseen = [self.seq[-2], self.seq[-1]] if start is not None else self.seq[held:]
+        unseen = self.seq[-2:] if start is not None else self.seq[held:]
         drafts, q, after = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
                                         history, processors, width,
                                         None if start is None else start.rows)
@@ -172,10 +172,7 @@ class ModelDraft:
         (no cache of its own)."""
         if self.cache is None:
             return False
-        x = mx.concatenate([last, token]).astype(mx.int32)
-        width = vocab_width(self.model)
-        if width is not None:
-            x = mx.minimum(x, width - 1)
+        x = model_inputs(self.model, mx.concatenate([last, token]).astype(mx.int32))
         rows = forward(self.model, x[None], self.cache)[0]  # (2, Vq)
         mx.async_eval(rows)
         self._ahead = _Ahead(cache_length(self.cache), rows)

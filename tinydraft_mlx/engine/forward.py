@@ -297,12 +297,18 @@ def vocab_width(model: nn.Module) -> int | None:
     return getattr(getattr(model, "args", None), "vocab_size", None)
 
 
-def model_inputs(model: nn.Module, tokens: list[int]) -> list[int]:
-    """`tokens` made safe for `model`'s embedding. Only the draft can meet ids beyond its width
-    (the target's logits may be wider, e.g. Qwen2.5-7B vs 0.5B); they become its last row. That
-    only changes which q the draft proposes from, never the exactness of the output."""
+def model_inputs(model: nn.Module, tokens: list[int] | mx.array) -> list[int] | mx.array:
+    """`tokens` (a list, or an int32 array, kept lazy) made safe for `model`'s embedding: ids
+    beyond its width become its last row. The draft meets them where the target's logits are
+    wider (e.g. Qwen2.5-7B vs 0.5B): that only changes which q it proposes from; the target where
+    a wider draft proposes them (`speculative._verify`): such a proposal is never accepted. Never
+    the exactness of the output."""
     width = vocab_width(model)
-    return tokens if width is None else [min(t, width - 1) for t in tokens]
+    if width is None:
+        return tokens
+    if isinstance(tokens, mx.array):
+        return mx.minimum(tokens, width - 1)
+    return [min(t, width - 1) for t in tokens]
 
 
 def head_module(model: nn.Module) -> nn.Module | None:

@@ -679,13 +679,12 @@ class DraftLengthPolicy:
             else:
                 self.rejected[position] += 1.0
 
-    def _add_evidence(self, accepted: list[float], reached: list[float], starts: int,
-                      weight: float = CATCH_UP_WEIGHT) -> None:
+    def _add_evidence(self, accepted: list[float], reached: list[float], starts: int) -> None:
         """Add per-position counts from `starts` overlapping observations, scaled down to at
-        most `weight` rounds' worth."""
+        most CATCH_UP_WEIGHT rounds' worth."""
         self.held = 0
         if starts:
-            scale = min(1.0, weight / starts)
+            scale = min(1.0, CATCH_UP_WEIGHT / starts)
             for i, (a, r) in enumerate(zip(accepted, reached)):
                 self.accepted[i] += scale * a
                 self.rejected[i] += scale * (r - a)

@@ -41,7 +41,7 @@ from ..backend import generation_stream
 from .cache import Cache, cache_length, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafter, Proposal, max_draft_length, resolve_drafter
-from .forward import PREFILL_STEP, forward, prefill, trace_count, vocab_width
+from .forward import PREFILL_STEP, forward, model_inputs, prefill, trace_count, vocab_width
 from .policy import (
     AUTO,
     CATCH_UP_EVIDENCE,
@@ -105,10 +105,7 @@ def _verify(
     clamped for the forward pass only (an out-of-bounds read otherwise; undefined on Metal).
     Such a proposal is never accepted (p is 0 there, and argmax p is below the width), so the
     positions after it, the only ones the clamp changes, are always discarded."""
-    x = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
-    width = vocab_width(target)
-    if width is not None:
-        x = mx.minimum(x, width - 1)
+    x = model_inputs(target, mx.concatenate([mx.array([last], dtype=mx.int32), drafts]))
     logits = forward(target, x[None], cache)  # (1, k+1, Vp)
     if processors:
         rows = [process_logits(logits[:, i], history, [drafts[j] for j in range(i)],
@@ -165,9 +162,6 @@ class _Generation:
     width: int | None = None
     looks: bool = False  # k="auto" takes the draft's predictions as evidence (_prefill)
     whole: int = 0  # tokens the latest round drafted if it was accepted whole (else 0)
-    # a drafting round queues the next round's first draft step behind its verify
-    # (`Drafter.ahead`): without logits processors, on one rank
-    aheads: bool = False
     whole_rate: float = AHEAD_MIN  # recent share of drafting rounds accepted whole
     # sampled looks: the target's logits (1, V) at the current plain stretch's last tokens
     plain_rows: list[mx.array] = field(default_factory=list)
@@ -183,6 +177,13 @@ class _Generation:
         before this one's token is read; from k="auto"'s local timings, tensor-parallel ranks
         would have to agree on it every token, so they run its plain rounds unpipelined."""
         return self.ranks is None or self.policy is None
+
+    @property
+    def aheads(self) -> bool:
+        """Whether a drafting round may queue the next round's first draft step behind its
+        verify (`Drafter.ahead`): without logits processors (the step would need the history),
+        on one rank."""
+        return not self.processors and self.ranks is None
 
     @property
     def keeps_plain_rows(self) -> bool:
@@ -292,7 +293,7 @@ def _start(target, draft, prompt, k, max_tokens, sampling, eos_token_ids, target
     g = _Generation(target, target_cache, drafter, list(prompt), stats, sampling,
                     frozenset(eos_token_ids), max_tokens, processors, generation_stream(),
                     mx.random.key(seed), max_draft_length(drafter, k), ranks=ranks,
-                    width=vocab_width(target), aheads=not processors and ranks is None)
+                    width=vocab_width(target))
     return g, draft_cache
 
 
