@@ -7,6 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from tests.ahead import record_chains
 from tests.scripted import ScriptedPolicy
 from tinydraft_mlx import SamplingParams, generate, stream_generate
 from tinydraft_mlx.engine.cache import cache_length, make_cache, rollback
@@ -786,25 +787,17 @@ def test_a_step_run_ahead_changes_no_token(demo, monkeypatch, temperature):
     tokens, cache and compiled shape) and its token is drawn there with the round's own key: a
     seeded generation gives the same tokens with every step run ahead as with none (k = 1, 3;
     greedy and sampled), and the steps run ahead were used."""
-    import tinydraft_mlx.engine.drafters as drafters
     import tinydraft_mlx.engine.speculative as spec
 
     target, draft, tok = demo
     ids = tok.encode(PROMPT)
-    starts = []
-    chain = drafters._draft_chain
-
-    def counted(*args):
-        starts.append(args[9] is not None)
-        return chain(*args)
-
-    monkeypatch.setattr(drafters, "_draft_chain", counted)
+    chains = record_chains(monkeypatch)
     for k in (1, 3):
         runs = []
         for least in (0.0, 2.0):  # every round queues one; none does
             monkeypatch.setattr(spec, "AHEAD_MIN", least)
-            starts.clear()
+            chains.clear()
             runs.append(generate(target, draft, tok, ids, k=k, max_tokens=60, seed=7,
                                  temperature=temperature, top_p=0.9)[0])
-            assert any(starts) == (least == 0.0)
+            assert any(ahead for ahead, _ in chains) == (least == 0.0)
         assert runs[0] == runs[1] and len(set(runs[0])) > 10

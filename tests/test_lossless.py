@@ -10,6 +10,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
+from tests.ahead import record_chains
 from tests.fixtures import TARGET_WIDTH
 from tests.scripted import ScriptedPolicy
 from tinydraft_mlx import Hybrid, PromptLookup, generate
@@ -210,20 +211,13 @@ def test_draft_steps_run_ahead_match_oracle(pair, references, k, monkeypatch):
     """Every drafting round queues the next round's first draft step behind its verify
     (`ModelDraft.ahead`, here forced where the loop's own gate would decide): the output is still
     the oracle's, the queued steps were used (rounds accepted whole) and dropped (the others)."""
-    import tinydraft_mlx.engine.drafters as drafters
     import tinydraft_mlx.engine.speculative as spec
 
     monkeypatch.setattr(spec, "AHEAD_MIN", 0.0)
-    starts = []
-    chain = drafters._draft_chain
-
-    def counted(*args):
-        starts.append(args[9] is not None)  # `start`: the first step ran ahead
-        return chain(*args)
-
-    monkeypatch.setattr(drafters, "_draft_chain", counted)
+    chains = record_chains(monkeypatch)
     target, draft, tok = pair
     for ids, ref in references.values():
         out, _ = generate(target, draft, tok, ids, k=k, max_tokens=NEW_TOKENS)
         assert out == ref
-    assert any(starts) and not all(starts), Counter(starts)
+    ran_ahead = [ahead for ahead, _ in chains]
+    assert any(ran_ahead) and not all(ran_ahead), Counter(ran_ahead)

@@ -21,6 +21,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from tests.ahead import record_chains
 from tests.reference import chi2_statistic, chi2_threshold, two_step_joint, windowed_logits
 from tests.scripted import ScriptedPolicy
 from tinydraft_mlx import Hybrid, PromptCache, generate
@@ -119,31 +120,21 @@ def test_a_draft_step_run_ahead_keeps_the_distribution(pair, oracle, monkeypatch
     against the Wilson-Hilferty 1 - 3.2e-5 quantile of their summed degrees of freedom; the same
     samples against the joints without top-k must exceed it. (Fails where the token is drawn
     from the logits run ahead but its q taken from the row before them.)"""
-    import tinydraft_mlx.engine.drafters as drafters
     import tinydraft_mlx.engine.speculative as spec
 
     monkeypatch.setattr(spec, "AHEAD_MIN", 0.0)
-    starts = []
-    chain = drafters._draft_chain
-
-    def counted(*args):
-        drafts, *rest = chain(*args)
-        # args[9]: the first step's forward ran ahead; then the token drawn from it
-        starts.append(None if args[9] is None else drafts[0].item())
-        return (drafts, *rest)
-
-    monkeypatch.setattr(drafters, "_draft_chain", counted)
+    chains = record_chains(monkeypatch)
     target, draft, tok = pair
     ids = tok.encode(PROMPT)
     cache = PromptCache(target, draft_model(draft))
     samples, paths = [], Counter()
     for seed in range(2000):
-        starts.clear()
+        chains.clear()
         out, _ = generate(target, draft, tok, ids, k=1, max_tokens=4, seed=seed, top_k=3,
                           temperature=1.0, prompt_cache=cache)
-        if len(starts) > 1 and starts[1] is not None:  # the second round drafted ahead
+        if len(chains) > 1 and chains[1][0]:  # the second round's first step ran ahead
             samples.append(tuple(out))
-            paths[out[2] == starts[1]] += 1
+            paths[out[2] == chains[1][1]] += 1  # the token drawn from it, accepted or not
     assert paths[True] > 0 and paths[False] > 0, paths
     prefixes = Counter(s[:2] for s in samples)
     stats = {"exact": [0.0, 0], "wrong": [0.0, 0]}
