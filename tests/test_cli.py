@@ -36,7 +36,7 @@ def test_cli_auto_k_reaches_the_policy(checkpoints, capsys, monkeypatch):
     the scripted k values."""
     import tinydraft_mlx.engine.speculative as spec
 
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: _Scripted())
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: _Scripted())
     code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
                  "-k", "auto", "--prompt", "def parse_args(", "--max-tokens", "40",
                  "--verbose"])

@@ -190,7 +190,7 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
 
     target, draft, tok = pair
     policy = _Recording()
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     real, in_rounds = drafters.prefill, []
 
     def slow_catch_up(model, cache, tokens, *args, **kwargs):
@@ -231,7 +231,7 @@ def test_auto_books_a_looks_evidence_with_the_catch_up_not_the_round(pair, monke
 
     target, draft, tok = pair
     policy = Looking()
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     real = spec._catch_up_evidence
 
     def slow_evidence(g, rows):
@@ -256,7 +256,7 @@ def test_auto_plain_stretches_switch_cleanly(pair, reference, monkeypatch, sched
     ids, ref = reference
     policy = _Recording()
     policy.SCHEDULE = tuple(schedule)
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     tc, dc = make_cache(target), make_cache(draft)
     tokens = list(decode(target, draft, ids, k="auto", max_tokens=40, target_cache=tc,
                          draft_cache=dc))
@@ -327,7 +327,7 @@ def test_auto_starts_the_draft_empty_and_fills_it_when_first_needed(pair, refere
 
     target, draft, _ = pair
     ids, ref = reference
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: _Plain())
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: _Plain())
     tc, dc = make_cache(target), make_cache(draft)
     held, policies, prefill_seconds, out = [], [], [], []
     for token in decode(target, draft, ids, k="auto", max_tokens=6, target_cache=tc,
@@ -341,7 +341,7 @@ def test_auto_starts_the_draft_empty_and_fills_it_when_first_needed(pair, refere
     assert len(set(prefill_seconds)) == 1 and prefill_seconds[0] > 0  # the target's prefill
 
     policy = _DraftsLater()
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     tc, dc = make_cache(target), make_cache(draft)
     held, out = [], []
     for token in decode(target, draft, ids, k="auto", max_tokens=30, target_cache=tc,
@@ -375,7 +375,7 @@ def test_a_lookup_round_that_finds_nothing_is_a_plain_step(pair, reference, monk
     ids, ref = reference
     policy = _Recording()
     policy.SCHEDULE = (3,)  # always ask for 3 drafts
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     tokens = list(decode(target, PromptLookup(), ids, k="auto", max_tokens=40))
     assert [t.id for t in tokens] == ref[:40]
     plain = [seconds for k, seconds in policy.updates if k == 0]
@@ -657,7 +657,7 @@ def test_auto_learns_from_the_catch_up_what_a_greedy_draft_would_do(pair, refere
     target, draft, tok = pair
     ids, ref = reference
     policy = _Looking()
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=24)]
     assert out == ref[:24]
     # the first round is plain (it does not ask the policy); 10 plain rounds more, the next
@@ -719,7 +719,7 @@ def test_a_round_accepted_whole_tells_whether_one_more_draft_would_have_been(dem
 
     target, draft, tok = demo  # a real pair: rounds accepted whole and not
     policy = _Drafting()
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: policy)
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
     ids = tok.encode(PROMPT)
     out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=80)]
     seq = ids + out

@@ -169,7 +169,7 @@ def test_auto_with_any_schedule_matches_oracle(pair, references, drafter, monkey
 
     policies = []
 
-    def scripted(*args):
+    def scripted(*args, **kwargs):
         policies.append(_Scripted())
         return policies[-1]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
+import subprocess
 
 import pytest
 
@@ -13,6 +15,7 @@ from tinydraft_mlx import generate
 from tinydraft_mlx.engine import policy as policy_module
 from tinydraft_mlx.engine import policy_store
 from tinydraft_mlx.engine.policy import shared_policy
+from tinydraft_mlx.engine.speculative import decode
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 PROMPT = "def parse_args(self, args=None, namespace=None):"
@@ -107,3 +110,55 @@ def test_persistence_can_be_turned_off(pair, tmp_path, monkeypatch):
     assert policy_store.policy_path() is None and not list(tmp_path.rglob("*.json"))
     monkeypatch.delenv(policy_store.ENV)
     assert policy_store.policy_path() == tmp_path / "tinydraft-mlx" / "policies.json"
+
+
+def test_a_generation_reads_the_file_after_its_first_token(pair, policy_file, monkeypatch):
+    """k="auto" with a draft model: the first round is plain, so the file's entry (whose key
+    fingerprints both models) is read once the first token is out, and still used."""
+    target, draft, tok = pair
+    prompt = tok.encode(PROMPT)
+    want = [t.id for t in decode(target, draft, prompt, k="auto", max_tokens=24)]
+    saved = json.loads(policy_file.read_text())
+    (entry,) = saved["entries"].values()
+    # another process whose file knows costs this one cannot have measured by its second token
+    entry["costs"]["round_seconds"]["7"] = 0.123
+    entry["costs"]["timed"]["7"] = 5
+    policy_file.write_text(json.dumps(saved))
+    new_process(monkeypatch)
+    reads = []
+    real = policy_store.load_entry
+    monkeypatch.setattr(policy_store, "load_entry", lambda key: reads.append(key) or real(key))
+    tokens = decode(target, draft, prompt, k="auto", max_tokens=24)
+    first = next(tokens)
+    assert reads == []  # nothing read (nor fingerprinted) before the first token
+    rest = list(tokens)
+    assert len(reads) == 1
+    policy = first.stats.policy
+    assert policy.round_seconds[7] == pytest.approx(0.123) and policy.timed[7] == 5
+    assert sum(policy.accepted) + sum(policy.rejected) > 0
+    assert [first.id] + [t.id for t in rest] == want  # exact either way
+    # and what it saves keeps the file's entry
+    entry = json.loads(policy_file.read_text())["entries"][reads[0]]
+    assert entry["costs"]["round_seconds"]["7"] == pytest.approx(0.123)
+
+
+def test_a_pair_key_is_cheap(pair, monkeypatch):
+    """The key runs no subprocess (platform.processor() runs `uname -p`: 4.8 ms before a
+    process's first token) and fingerprints each model object once."""
+    target, draft, tok = pair
+    monkeypatch.setattr(policy_store, "_FINGERPRINTS", {})
+    key = policy_store.pair_key(target, draft)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a subprocess while keying the pair")
+
+    monkeypatch.setattr(subprocess, "Popen", refused)
+    monkeypatch.setattr(platform, "processor", refused)
+    flattened = []
+    real = policy_store.tree_flatten
+    monkeypatch.setattr(policy_store, "tree_flatten",
+                        lambda tree: flattened.append(1) or real(tree))
+    assert policy_store.fingerprint(target) == json.loads(key)["target"]
+    assert policy_store.fingerprint(draft) == json.loads(key)["draft"]
+    assert flattened == []  # both were kept from the first key
+    assert policy_store.pair_key(target, draft) == key

@@ -72,7 +72,7 @@ def _case(name, pair, oracle, load):
 def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, monkeypatch):
     import tinydraft_mlx.engine.speculative as spec
 
-    monkeypatch.setattr(spec, "shared_policy", lambda *args: _PlainThenOne())
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: _PlainThenOne())
     target, _, tok = pair
     draft, k, ids = _case(drafter, pair, oracle, load)
     bounded = drafter == "bounded"

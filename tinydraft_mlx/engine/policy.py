@@ -237,6 +237,16 @@ class RoundCosts:
         self.switch_fit = fit
         self.switches = int(data["switches"])
 
+    def merge(self, loaded: RoundCosts) -> None:
+        """Take costs `loaded` from the policy file where this process has measured none: each
+        k not timed yet, the switch cost's fit if no switch has been."""
+        for k, seconds in loaded.round_seconds.items():
+            if k not in self.round_seconds:
+                self.round_seconds[k] = seconds
+                self.timed[k] = loaded.timed[k]
+        if not self.switches:
+            self.switch_fit, self.switches = list(loaded.switch_fit), loaded.switches
+
 
 class DraftLengthPolicy:
     """Online choice of k. `choose(limit)` before a round, `update(k, accepted, seconds)` after."""
@@ -749,18 +759,33 @@ class _Pair:
     `store_key` names its entry in the policy file (None: not persisted), `saved` the regimes'
     acceptance read from it."""
 
-    def __init__(self, target: object, draft: object, store_key: str | None = None) -> None:
+    def __init__(self, target: object, draft: object) -> None:
         self.target = weakref.ref(target)
         self.draft = None if isinstance(draft, str) else weakref.ref(draft)
+        self.name = draft if isinstance(draft, str) else None  # a model-free drafter's
         self.costs = RoundCosts()
         self.policies: OrderedDict[Hashable, DraftLengthPolicy] = OrderedDict()
-        self.store_key = store_key
+        self.store_key: str | None = None
         self.saved: dict[str, dict[str, list[float]]] = {}
         self.last_save = 0.0
-        if store_key is not None:
-            self._load(policy_store.load_entry(store_key))
+        self.loaded = False  # the policy file's entry has been read (`load`)
 
-    def _load(self, entry: dict[str, Any] | None) -> None:
+    def load(self) -> None:
+        """Read the pair's policy file entry, once: its key fingerprints both models (~1 ms on
+        the demo pair), so a generation whose first round is plain anyway takes it after its
+        first token (`settle`). Merged in place (the policies made before share these costs):
+        what this process has measured stands, the file fills in the rest."""
+        if self.loaded:
+            return
+        self.loaded = True
+        target = self.target()
+        draft = self.draft() if self.draft is not None else self.name
+        if target is None or draft is None:
+            return
+        self.store_key = _store_key(target, draft)
+        if self.store_key is None:
+            return
+        entry = policy_store.load_entry(self.store_key)
         if entry is None:
             return
         try:
@@ -772,20 +797,26 @@ class _Pair:
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             policy_store._warn_once(f"ignoring a k='auto' policy entry that is not ours: {err}")
             return
-        self.costs, self.saved = costs, saved
+        self.costs.merge(costs)
+        self.saved = saved
+        for regime, policy in self.policies.items():
+            self._start_from_saved(regime, policy)
+
+    def _start_from_saved(self, regime: Hashable, policy: DraftLengthPolicy) -> None:
+        """Add a regime's saved acceptance to its policy's, worth LOADED_WEIGHT rounds at most."""
+        saved = self.saved.get(_regime_key(regime))
+        if saved is not None and len(saved["accepted"]) == AUTO_MAX_K == len(saved["rejected"]):
+            total = sum(saved["accepted"]) + sum(saved["rejected"])
+            scale = min(1.0, LOADED_WEIGHT / total) if total > 0 else 0.0
+            policy.accepted = [a + x * scale for a, x in zip(policy.accepted, saved["accepted"])]
+            policy.rejected = [r + x * scale for r, x in zip(policy.rejected, saved["rejected"])]
 
     def policy(self, regime: Hashable, draft_ratio: float) -> DraftLengthPolicy:
         policy = self.policies.get(regime)
         if policy is None:
             policy = self.policies[regime] = DraftLengthPolicy(
                 AUTO_MAX_K, draft_ratio=draft_ratio, costs=self.costs)
-            saved = self.saved.get(_regime_key(regime))
-            if saved is not None and len(saved["accepted"]) == AUTO_MAX_K == len(
-                    saved["rejected"]):
-                total = sum(saved["accepted"]) + sum(saved["rejected"])
-                scale = min(1.0, LOADED_WEIGHT / total) if total > 0 else 0.0
-                policy.accepted = [a * scale for a in saved["accepted"]]
-                policy.rejected = [r * scale for r in saved["rejected"]]
+            self._start_from_saved(regime, policy)
             while len(self.policies) > MAX_REGIMES:
                 self.policies.popitem(last=False)
         self.policies.move_to_end(regime)
@@ -794,6 +825,7 @@ class _Pair:
     def save(self, force: bool = False) -> None:
         """Write what the pair has learned to its policy file entry (at most every SAVE_EVERY
         seconds unless `force`)."""
+        self.load()  # (an entry not read yet is not overwritten with less)
         if self.store_key is None or not self.costs.round_seconds:
             return
         now = time.monotonic()
@@ -818,22 +850,33 @@ _SHARED: dict[tuple[int, object], _Pair] = {}
 
 
 def shared_policy(target: object, draft: object, draft_ratio: float,
-                  regime: Hashable = None) -> DraftLengthPolicy:
+                  regime: Hashable = None, *, settled: bool = True) -> DraftLengthPolicy:
     """The policy of a (target, draft) pair for one sampling `regime` (e.g. the tuple of
     temperature, top-p, top-k and min-p), kept while both models exist: later generations start
     from what earlier ones measured instead of learning it again. Costs are shared by every
     regime of the pair, acceptance is the regime's own. `draft` is the draft model object, or a
-    string naming a model-free drafter and its settings."""
+    string naming a model-free drafter and its settings. A pair new to the process starts from
+    its policy file entry; `settled=False` leaves reading it to `settle(policy)` (a generation
+    whose first round is plain: after its first token)."""
     for key in [k for k, pair in _SHARED.items() if not pair.alive()]:
         del _SHARED[key]  # pairs that no longer exist
     key = (id(target), draft if isinstance(draft, str) else id(draft))
     pair = _SHARED.get(key)
     if pair is None or not pair.holds(target, draft):
-        pair = _SHARED[key] = _Pair(target, draft, _store_key(target, draft))
+        pair = _SHARED[key] = _Pair(target, draft)
+    if settled:
+        pair.load()
     policy = pair.policy(regime, draft_ratio)
     policy.start_generation()
     policy.pair = pair
     return policy
+
+
+def settle(policy: DraftLengthPolicy) -> None:
+    """Make sure the policy's pair has read its policy file entry (see `shared_policy`)."""
+    pair = getattr(policy, "pair", None)
+    if pair is not None and not pair.loaded:
+        pair.load()
 
 
 def save_policy(policy: DraftLengthPolicy | None, force: bool = False) -> None:

@@ -34,7 +34,9 @@ MAX_ENTRIES = 64  # pairs kept in the file; the least recently saved go first
 SAMPLE = 256  # weight values per sampled tensor in a fingerprint
 
 log = logging.getLogger("tinydraft_mlx.policy")
-_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(model) -> (a weak reference to it, its fingerprint): by id, since an MLX module is a dict
+# (unhashable), so a WeakKeyDictionary never kept one and every call hashed the model again
+_FINGERPRINTS: dict[int, tuple[weakref.ref, str]] = {}
 
 
 def policy_path() -> Path | None:
@@ -50,10 +52,9 @@ def fingerprint(model: object) -> str:
     """A short hash that tells models apart: class, configuration, every parameter's name,
     shape and dtype, and the first SAMPLE values of the first, middle and last parameters.
     Computed once per model object."""
-    try:
-        return _FINGERPRINTS[model]
-    except (KeyError, TypeError):
-        pass
+    held = _FINGERPRINTS.get(id(model))
+    if held is not None and held[0]() is model:
+        return held[1]
     h = hashlib.sha256(type(model).__name__.encode())
     args = getattr(model, "args", None)
     if args is not None:
@@ -70,10 +71,18 @@ def fingerprint(model: object) -> str:
         h.update(np.asarray(flat).tobytes())
     out = h.hexdigest()[:16]
     try:
-        _FINGERPRINTS[model] = out
+        ref = weakref.ref(model, _forget)
     except TypeError:  # not weak-referenceable: computed again next time
-        pass
+        return out
+    _FINGERPRINTS[id(model)] = (ref, out)
     return out
+
+
+def _forget(ref: weakref.ref) -> None:
+    """A fingerprinted model is gone: its id may be another's next."""
+    for i, (held, _) in list(_FINGERPRINTS.items()):
+        if held is ref:
+            del _FINGERPRINTS[i]
 
 
 def float_dtypes(model: object) -> str:
@@ -91,10 +100,21 @@ def pair_key(target: object, draft: object) -> str:
         "draft": draft if isinstance(draft, str) else fingerprint(draft),
         "device": str(mx.default_device()),
         "dtype": float_dtypes(target),
-        "machine": [platform.node(), platform.machine(), platform.processor(), platform.system()],
+        "machine": [platform.node(), platform.machine(), platform.system(), _device_name()],
         "mlx": mx.__version__,
     }
     return json.dumps(parts, sort_keys=True)
+
+
+def _device_name() -> str:
+    """The default device's name as MLX reports it (the chip on Apple silicon, the GPU under
+    CUDA, the CPU's family otherwise). Not `platform.processor()`: it runs `uname -p` in a
+    subprocess, 4.8 ms at a process's first k="auto" generation, before its first token."""
+    info = getattr(mx, "device_info", None)
+    try:
+        return str(info().get("device_name", "")) if info is not None else ""
+    except Exception:  # noqa: BLE001 (a backend without the query: the rest of the key stands)
+        return ""
 
 
 def load_entry(key: str, path: Path | None = None) -> dict[str, Any] | None:

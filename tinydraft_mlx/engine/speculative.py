@@ -50,6 +50,7 @@ from .policy import (
     DraftLengthPolicy,
     sampling_regime,
     save_policy,
+    settle,
     shared_policy,
 )
 from .rejection import acceptance_probability, greedy_accept, speculative_accept
@@ -205,6 +206,8 @@ class _Generation:
             return 0
         if self.policy is None:
             return min(self.k_cap, limit)
+        if self.fills:  # the policy file's entry, read once the first token is out (`_prefill`)
+            settle(self.policy)
         k = self.policy.choose(limit)
         return self.ranks.agree(k) if self.ranks is not None else k
 
@@ -310,7 +313,8 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
     over the target prefill's. A generation that never drafts nor looks never runs the draft
     (demo pair, CPU: the draft's prefill and an evidence comparison on 16 prompt rows, 4.8-7 ms
     a generation whether the draft was used or not, put k="auto" 4-6% behind plain decoding on
-    an always-rejected draft; docs/design.md)."""
+    an always-rejected draft; docs/design.md). For the same reason a pair new to the process
+    reads its policy file entry (fingerprinting both models) when its second round is chosen."""
     pending = g.seq[cache_length(g.target_cache) : -1]
     progress = None
     if callback is not None:
@@ -342,8 +346,9 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
         ratio = DRAFT_RATIO  # until the draft's first catch-up measures it (`_filled`)
         if not g.fills and target_prefill > 1e-3:
             ratio = draft_prefill / target_prefill
+        # a first round that is plain anyway reads the policy file after the first token
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
-                                 sampling_regime(g.sampling))
+                                 sampling_regime(g.sampling), settled=not g.fills)
         g.policy.looks = g.looks
         g.looks = g.looks and g.policy.looks  # (a stand-in policy may decline)
         g.stats.policy = g.policy
