@@ -291,7 +291,10 @@ def test_a_probe_that_looks_first_is_priced_at_its_catch_up_only():
         policy.looks = looks
         policy.round_seconds.update({0: 1.0, 1: 3.0})
         policy.timed.update({0: 5, 1: 5})
-        policy.rejected[0] = 60.0  # hopeless: no Thompson probe, only the budget's
+        # hopeless at its cost (k = 1 at 3x a plain round): no Thompson probe, only the
+        # budget's; the draft itself is fair (no evidence that a look would find it worthless)
+        policy.accepted[0] = policy.rejected[0] = 30.0
+        policy.costs.here.update({0, 1})  # timed in this process: nothing left to explore
         policy.costs.book_switch(10, 0.2)
         for rounds in range(1, 1000):
             if policy.choose(100) > 0:
@@ -300,6 +303,30 @@ def test_a_probe_that_looks_first_is_priced_at_its_catch_up_only():
         return 1000
 
     assert first_probe(True) < 30 < first_probe(False)
+
+
+def test_a_look_first_probe_waits_longer_where_the_last_look_found_the_draft_hopeless():
+    """Where the loop looks first the budget is spent at the rate of the chance that a look
+    finds the draft worth exploring (first-position acceptance >= EXPLORE_MIN): a draft the
+    last look found always rejected is probed later than a fair one, yet still probed as the
+    evidence fades."""
+    def first_probe(accepted: float, rejected: float) -> int:
+        policy = DraftLengthPolicy(4)
+        policy.looks = True
+        policy.round_seconds.update({0: 1.0, 1: 3.0})
+        policy.timed.update({0: 5, 1: 5})
+        policy.accepted[0], policy.rejected[0] = accepted, rejected
+        policy.costs.here.update({0, 1})
+        policy.costs.book_switch(10, 0.2)
+        for rounds in range(1, 2000):
+            if policy.choose(100) > 0:
+                return rounds
+            policy.update(0, 0, 1.0)
+        return 2000
+
+    fair, hopeless = first_probe(4.0, 4.0), first_probe(0.0, 8.0)
+    assert fair < 30
+    assert 2 * fair < hopeless < 400
 
 
 def test_no_budgeted_probe_in_a_generations_last_tokens():
@@ -313,7 +340,9 @@ def test_no_budgeted_probe_in_a_generations_last_tokens():
     policy.round_seconds.update({0: 1.0, 1: 3.0})
     policy.timed.update({0: 5, 1: 5})
     policy.costs.here.update({0, 1})
-    policy.rejected[0] = 60.0  # hopeless: no look is worth it, only the budget probes
+    # hopeless at its cost (k = 1 at 3x a plain round): no look is worth it, only the budget
+    # probes (a fair draft: the look's chance of finding it worth exploring is ~1)
+    policy.accepted[0] = policy.rejected[0] = 30.0
     policy.costs.book_switch(10, 0.2)
     policy.behind, policy.plain_seconds = 20, 100.0  # the budget has earned a probe
     assert policy.choose(HORIZON - 1) == 0
@@ -742,12 +771,12 @@ def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, mon
     Python, 3-4x that in the decode loop on a busy 2-core CPU: ~1% of a plain round); between
     them a budgeted probe and a generation's first look are taken the round they fall due, and
     a drafting round or new evidence ends the hold. Driven with the hold and without it
-    (HOLD_ROUNDS = 1) on the same draws, 20 generations of 128 tokens: where the draft is
-    hopeless (alpha 0: looks come from the first look and the budget only) and where drafting
-    pays (alpha 0.7), every round's k and every look are the same; near break-even (alpha 0.4,
-    where a look's slowly growing value decides when to look) the looks move by a few rounds,
-    tokens per second within 1%. Where the draft is hopeless the full choice is made in under a
-    third of the rounds."""
+    (HOLD_ROUNDS = 1) on the same draws, 20 generations of 128 tokens: where drafting pays
+    (alpha 0.7) every round's k and every look are the same; where a look's slowly growing
+    value decides when to look (near break-even, alpha 0.4, and where the draft is hopeless,
+    alpha 0, whose budgeted probes wait for the evidence to fade: `_probe_share`) the looks
+    move by a few rounds, as many of them, tokens per second within 1%. Where the draft is
+    hopeless the full choice is made in under a third of the rounds."""
     from tinydraft_mlx.engine import policy as policy_module
 
     full = Counter()
@@ -767,10 +796,12 @@ def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, mon
                                            lambda r, k: 1.0 + k / 2, generations=20, tokens=128,
                                            catch_up=0.7, seed=seed) for seed in (1, 2, 3)]
     every, held = runs[1], runs[hold]
-    if alpha == 0.4:
-        for a, b in zip(every, held):
-            assert abs((b.tokens / b.seconds) / (a.tokens / a.seconds) - 1) <= 0.01
-        return
-    assert [(run.ks, run.looked) for run in every] == [(run.ks, run.looked) for run in held]
+    if alpha == 0.7:
+        assert [(run.ks, run.looked) for run in every] == [(run.ks, run.looked) for run in held]
+    for a, b in zip(every, held):
+        assert abs((b.tokens / b.seconds) / (a.tokens / a.seconds) - 1) <= 0.01
+        if alpha == 0.0:
+            assert len(a.looked) == len(b.looked)
+            assert all(0 <= y - x < hold for x, y in zip(a.looked, b.looked))
     if alpha == 0.0:
         assert full[hold] < sum(len(run.ks) for run in held) / 3 < full[1], full

@@ -87,7 +87,11 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   the plain rounds it missed: a prefill of those tokens, fitted as a fixed part plus a part per
   token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
   underrated long stretches' probes by 2x); a look's price includes its evidence (the draft's
-  head on its last rows, sampled: the warps of both sides).
+  head on its last rows, sampled: the warps of both sides). Where the loop looks first (below) a
+  probe risks its catch-up whatever the draft is worth, so the budget is spent at the rate of
+  the chance that the look finds the draft worth exploring (`_probe_share`: the first position's
+  posterior probability of an acceptance >= EXPLORE_MIN): a draft the last look found always
+  rejected is probed again as its evidence fades (PLAIN_DECAY), not after every ~50 plain rounds.
 And where the loop looks first, a generation's first stretch of plain rounds looks at its text
 once, after `FIRST_LOOK` rounds (a catch-up of a few tokens), whatever the evidence says while the
 policy has not looked at a generated text yet (`seen_text`: a fresh process's evidence is the
@@ -409,7 +413,8 @@ class DraftLengthPolicy:
         and new evidence (a look, a drafting round) ends a hold at once."""
         if limit < HORIZON:  # no probe in a generation's last HORIZON tokens
             return False
-        return self.plain_seconds * self.probe_budget >= self._switch_price()
+        switch, earned = self._switch_price(), self.plain_seconds * self.probe_budget
+        return earned >= switch and earned * self._probe_share() >= switch
 
     def _switch_price(self) -> float:
         """Seconds a switch to drafting costs now: the draft's catch-up on the plain rounds it
@@ -524,12 +529,31 @@ class DraftLengthPolicy:
         # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
         # last probe have earned it: its expected loss must fit in `probe_budget` of that time,
         # so probing costs at most ~probe_budget of the decode time, a hopeless k is probed
-        # rarely and a cheap probe often (`_probe_loss`).
-        if room and self.plain_seconds * self.probe_budget >= self._probe_loss(best, alphas,
-                                                                                 switch):
+        # rarely and a cheap probe often (`_probe_loss`). Where the loop looks first the loss is
+        # the catch-up whatever the draft is worth, so the budget is spent at the rate of the
+        # chance the look finds a draft worth exploring (`_probe_share`): as the evidence
+        # fades (PLAIN_DECAY) that chance rises, so a probe still comes, later where the last
+        # look found the draft hopeless (always rejected, fresh processes: a second look after
+        # ~50 plain rounds cost 1.5% of a 128-token generation, and found nothing)
+        earned = self.plain_seconds * self.probe_budget
+        loss = self._probe_loss(best, alphas, switch)
+        if room and earned >= loss and earned * self._probe_share() >= loss:
             self.plain_seconds = 0.0
             return best
         return 0
+
+    def _probe_share(self) -> float:
+        """The share of `probe_budget` a probe may spend now (`_choose`, `_due`): where the loop
+        looks first, the first position's posterior probability, Beta(1 + accepted, 1 +
+        rejected) on the look's grid, of an acceptance of at least EXPLORE_MIN (3 us: computed
+        only once the whole budget has been earned); else all of it."""
+        if not self._looks_first():
+            return 1.0
+        a, r = self.accepted[0], self.rejected[0]
+        logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
+        top = max(logs)
+        weights = [math.exp(w - top) for w in logs]
+        return sum(w for x, w in zip(_GRID, weights) if x >= EXPLORE_MIN) / sum(weights)
 
     def _looks_first(self) -> bool:
         """Whether a drafting round now would first catch the draft up and choose again on its
