@@ -283,26 +283,29 @@ def test_thompson_probes_where_the_evidence_is_thin_not_where_it_is_strong():
     assert tried(40.0) == 0
 
 
+def _first_probe(looks: bool, accepted: float, rejected: float) -> int:
+    """Plain rounds (1 s each) until a policy whose k = 1 costs 3 plain rounds (hopeless at its
+    cost: no Thompson probe, only the budget's), both timed in this process (nothing left to
+    explore), with the first position's evidence as given, first drafts (2000: never)."""
+    policy = DraftLengthPolicy(4)
+    policy.looks = looks
+    policy.round_seconds.update({0: 1.0, 1: 3.0})
+    policy.timed.update({0: 5, 1: 5})
+    policy.accepted[0], policy.rejected[0] = accepted, rejected
+    policy.costs.here.update({0, 1})
+    policy.costs.book_switch(10, 0.2)
+    for rounds in range(1, 2000):
+        if policy.choose(100) > 0:
+            return rounds
+        policy.update(0, 0, 1.0)
+    return 2000
+
+
 def test_a_probe_that_looks_first_is_priced_at_its_catch_up_only():
     """Where the loop looks before it leaps, a probe that finds drafting hopeless costs only
-    the catch-up (the round then stays plain), so the budget allows it far sooner."""
-    def first_probe(looks: bool) -> int:
-        policy = DraftLengthPolicy(4)
-        policy.looks = looks
-        policy.round_seconds.update({0: 1.0, 1: 3.0})
-        policy.timed.update({0: 5, 1: 5})
-        # hopeless at its cost (k = 1 at 3x a plain round): no Thompson probe, only the
-        # budget's; the draft itself is fair (no evidence that a look would find it worthless)
-        policy.accepted[0] = policy.rejected[0] = 30.0
-        policy.costs.here.update({0, 1})  # timed in this process: nothing left to explore
-        policy.costs.book_switch(10, 0.2)
-        for rounds in range(1, 1000):
-            if policy.choose(100) > 0:
-                return rounds
-            policy.update(0, 0, 1.0)
-        return 1000
-
-    assert first_probe(True) < 30 < first_probe(False)
+    the catch-up (the round then stays plain), so the budget allows it far sooner (a fair
+    draft: no evidence that a look would find it worthless)."""
+    assert _first_probe(True, 30.0, 30.0) < 30 < _first_probe(False, 30.0, 30.0)
 
 
 def test_a_look_first_probe_waits_longer_where_the_last_look_found_the_draft_hopeless():
@@ -310,21 +313,7 @@ def test_a_look_first_probe_waits_longer_where_the_last_look_found_the_draft_hop
     finds the draft worth exploring (first-position acceptance >= EXPLORE_MIN): a draft the
     last look found always rejected is probed later than a fair one, yet still probed as the
     evidence fades."""
-    def first_probe(accepted: float, rejected: float) -> int:
-        policy = DraftLengthPolicy(4)
-        policy.looks = True
-        policy.round_seconds.update({0: 1.0, 1: 3.0})
-        policy.timed.update({0: 5, 1: 5})
-        policy.accepted[0], policy.rejected[0] = accepted, rejected
-        policy.costs.here.update({0, 1})
-        policy.costs.book_switch(10, 0.2)
-        for rounds in range(1, 2000):
-            if policy.choose(100) > 0:
-                return rounds
-            policy.update(0, 0, 1.0)
-        return 2000
-
-    fair, hopeless = first_probe(4.0, 4.0), first_probe(0.0, 8.0)
+    fair, hopeless = _first_probe(True, 4.0, 4.0), _first_probe(True, 0.0, 8.0)
     assert fair < 30
     assert 2 * fair < hopeless < 400
 
