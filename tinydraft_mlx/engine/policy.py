@@ -185,6 +185,13 @@ _GRID = [(i + 0.5) / LOOK_POINTS for i in range(LOOK_POINTS)]
 _LOG_GRID = [(math.log(x), math.log1p(-x)) for x in _GRID]
 
 
+def _grid_posterior(accepted: float, rejected: float) -> list[float]:
+    """Beta(1 + accepted, 1 + rejected) on `_GRID`, unnormalised (its largest weight 1)."""
+    logs = [accepted * lx + rejected * l1x for lx, l1x in _LOG_GRID]
+    top = max(logs)
+    return [math.exp(w - top) for w in logs]
+
+
 class RoundCosts:
     """Measured round costs of a (target, draft) pair, whatever the sampling: per k a moving
     average of a round's wall time and how many rounds were timed, and the draft's catch-up
@@ -419,8 +426,7 @@ class DraftLengthPolicy:
         and new evidence (a look, a drafting round) ends a hold at once."""
         if limit < HORIZON:  # no probe in a generation's last HORIZON tokens
             return False
-        switch, earned = self._switch_price(), self.plain_seconds * self.probe_budget
-        return earned >= switch and earned * self._probe_share() >= switch
+        return self._budget_allows(self._switch_price())
 
     def _switch_price(self) -> float:
         """Seconds a switch to drafting costs now: the draft's catch-up on the plain rounds it
@@ -541,24 +547,26 @@ class DraftLengthPolicy:
         # fades (PLAIN_DECAY) that chance rises, so a probe still comes, later where the last
         # look found the draft hopeless (always rejected, fresh processes: a second look after
         # ~50 plain rounds cost 1.5% of a 128-token generation, and found nothing)
-        earned = self.plain_seconds * self.probe_budget
-        loss = self._probe_loss(best, alphas, switch)
-        if room and earned >= loss and earned * self._probe_share() >= loss:
+        if room and self._budget_allows(self._probe_loss(best, alphas, switch)):
             self.plain_seconds = 0.0
             return best
         return 0
 
+    def _budget_allows(self, loss: float) -> bool:
+        """Whether the plain time since the last probe has earned a probe expected to lose
+        `loss` seconds: `probe_budget` of it, times `_probe_share` (computed only once the whole
+        budget covers the loss)."""
+        earned = self.plain_seconds * self.probe_budget
+        return earned >= loss and earned * self._probe_share() >= loss
+
     def _probe_share(self) -> float:
         """The share of `probe_budget` a probe may spend now (`_choose`, `_due`): where the loop
         looks first, the first position's posterior probability, Beta(1 + accepted, 1 +
-        rejected) on the look's grid, of an acceptance of at least EXPLORE_MIN (3 us: computed
-        only once the whole budget has been earned); else all of it."""
+        rejected) on the look's grid, of an acceptance of at least EXPLORE_MIN (3 us); else
+        all of it."""
         if not self._looks_first():
             return 1.0
-        a, r = self.accepted[0], self.rejected[0]
-        logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
-        top = max(logs)
-        weights = [math.exp(w - top) for w in logs]
+        weights = _grid_posterior(self.accepted[0], self.rejected[0])
         return sum(w for x, w in zip(_GRID, weights) if x >= EXPLORE_MIN) / sum(weights)
 
     def _looks_first(self) -> bool:
@@ -600,17 +608,14 @@ class DraftLengthPolicy:
             bound = horizon * var / (var + (lowest - mean) ** 2) * saving_at(1.0)
             if bound <= against:
                 return bound
-        logs = [a * lx + r * l1x for lx, l1x in _LOG_GRID]
-        top = max(logs)
-        total = saving = 0.0
-        for x, log_weight in zip(_GRID, logs):
-            weight = math.exp(log_weight - top)
-            total += weight
+        weights = _grid_posterior(a, r)
+        saving = 0.0
+        for x, weight in zip(_GRID, weights):
             if x > lowest and weight > 1e-6:  # (below every break-even nothing is saved)
                 gain = saving_at(x)
                 if gain > 0:
                     saving += weight * gain
-        return horizon * saving / total
+        return horizon * saving / sum(weights)
 
     def _hoped_cost(self, k: int) -> float:
         """R(k), or where it is stale (k not timed for STALE_ROUNDS rounds) the lowest R(k) /
@@ -905,7 +910,7 @@ def shared_policy(target: object, draft: object, draft_ratio: float,
 def settle(policy: DraftLengthPolicy) -> None:
     """Make sure the policy's pair has read its policy file entry (see `shared_policy`)."""
     pair = getattr(policy, "pair", None)
-    if pair is not None and not pair.loaded:
+    if pair is not None:
         pair.load()
 
 
