@@ -42,5 +42,8 @@ class ScriptedPolicy:
     def observe_beyond(self, position: int, accepted: bool) -> None:
         self.beyond.append((position, accepted))
 
+    def wants_beyond(self, position: int) -> bool:
+        return True  # every round's evidence, to be checked
+
     def end_stretch(self) -> None:
         pass

@@ -781,6 +781,35 @@ def test_draft_steps_run_ahead_propose_what_the_draft_predicts(demo, monkeypatch
     _assert_cache_holds(draft, dc, seq[: cache_length(dc)])
 
 
+class _DeclinesOne(_Drafting):
+    """`_Drafting`, asked whether to read one more position after a round accepted whole: yes
+    after k = 2 and 3, no after k = 1 (`wants_beyond`); records what it was asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def wants_beyond(self, position: int) -> bool:
+        self.asked.append(position)
+        return position != 1
+
+
+def test_one_more_position_is_read_only_where_the_policy_asks(demo, monkeypatch):
+    """The evidence on position k + 1 after a round accepted whole is read (and booked) only
+    where the policy asks for it (`wants_beyond(k)`): reading it costs the verify ~160 us on the
+    demo pair, ~4% of a generation drafting k = 1, so the real policy asks while that position's
+    evidence is thin. Declined after k = 1, none is booked there; asked after k = 2 and 3, they
+    are."""
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, tok = demo
+    policy = _DeclinesOne()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
+    list(decode(target, draft, tok.encode(PROMPT), k="auto", max_tokens=80))
+    assert 1 in policy.asked and {2, 3} & set(policy.asked), policy.asked
+    assert policy.beyond and all(k in (2, 3) for k, _ in policy.beyond), policy.beyond
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_step_run_ahead_changes_no_token(demo, monkeypatch, temperature):
     """The forward run ahead is the one the next round's first draft step would run (same

@@ -372,6 +372,25 @@ def test_a_policy_drafting_one_token_moves_to_two_where_the_second_would_pay():
     assert Counter(ks[-20:]).most_common(1)[0][0] >= 2, ks
 
 
+def test_one_more_position_is_asked_for_while_its_evidence_is_thin():
+    """`wants_beyond(k)`: after a round drafting k accepted whole, the next round reads whether
+    position k + 1 would have been accepted while that position has fewer than BEYOND_EVIDENCE
+    (discounted) observations (reading it every round cost ~4% of a generation drafting
+    k = 1); once drafting rounds fade them (`decay`) below that, again; never past k_max."""
+    from tinydraft_mlx.engine.policy import BEYOND_EVIDENCE
+
+    policy = DraftLengthPolicy(4)
+    assert policy.wants_beyond(1) and policy.wants_beyond(3)
+    for _ in range(int(BEYOND_EVIDENCE)):
+        assert policy.wants_beyond(1)
+        policy.observe_beyond(1, True)
+    assert not policy.wants_beyond(1)
+    assert policy.wants_beyond(2)  # another position's evidence is its own
+    policy.update(1, 1, 0.0)  # a drafting round fades all evidence by `decay`
+    assert policy.wants_beyond(1)
+    assert not policy.wants_beyond(4)  # position 5 of a 4-position policy: never booked
+
+
 def test_costs_loaded_from_the_file_give_way_to_this_processs_timings():
     """A cost loaded from the policy file is replaced by the first timing of that k in this
     process (not blended in), and once a drafting round has been timed here, a k timed only in

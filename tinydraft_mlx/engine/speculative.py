@@ -402,7 +402,8 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 # after a fully accepted round the draft never saw d_k (nor the bonus token): it
                 # stays behind, catching up in this round, whose first draft step so tells
                 # whether one more position would have been accepted there (read with the verdict)
-                beyond = g.drafter.beyond() if g.looks and g.whole else None
+                beyond = g.drafter.beyond() if g.looks and g.whole and \
+                    g.policy.wants_beyond(g.whole) else None
                 ahead = g.drafter if g.aheads and g.whole_rate >= AHEAD_MIN else None
                 with mx.stream(g.stream):
                     values, logprobs, queued = _verify(
