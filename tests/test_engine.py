@@ -666,10 +666,11 @@ def test_auto_learns_from_the_catch_up_what_a_greedy_draft_would_do(pair, refere
     assert policy.caught_up[:12] == [False] * 11 + [True]
     seq = ids + out
     # the 11 plain rounds emitted seq[len(ids):len(ids) + 11]; the catch-up feeds the draft all
-    # but the last token: its rows after seq[j] predict seq[j + 1], booked for the generated
-    # tokens only (after seq[len(ids) - 1], the prompt's last, on)
+    # of them: its rows after seq[j] predict seq[j + 1], booked for the generated tokens only
+    # (after seq[len(ids) - 1], the prompt's last, on); the row after the last token is the
+    # first draft step's (test_a_catch_up_runs_the_first_draft_steps_forward)
     caught = policy.observed[0]
-    end = len(ids) + 10  # the catch-up's last fed token is seq[end - 1]
+    end = len(ids) + 10  # the evidence's last row is after seq[end - 1]
     # (ids beyond the fixture draft's embedding occur: reading them unclamped gave garbage)
     after, clear = _argmax_after_each(draft, seq[:end], margins=True)
     assert len(caught) == min(CATCH_UP_EVIDENCE, 11)
@@ -808,6 +809,59 @@ def test_one_more_position_is_read_only_where_the_policy_asks(demo, monkeypatch)
     list(decode(target, draft, tok.encode(PROMPT), k="auto", max_tokens=80))
     assert 1 in policy.asked and {2, 3} & set(policy.asked), policy.asked
     assert policy.beyond and all(k in (2, 3) for k, _ in policy.beyond), policy.beyond
+
+
+def test_a_catch_up_runs_the_first_draft_steps_forward(demo, monkeypatch):
+    """After plain rounds the draft catches up on all it missed, the last token included, and
+    the first draft step of the round after it takes its logits from that forward's last row
+    (as from a step run ahead) instead of running one of its own: that round was a run's
+    slowest (demo pair, CPU: 4.1-4.6 ms for a run's 3.1-3.3 at k = 1), and a new pair was
+    judged on it. Each such proposal (k = 2: one forward left) is still the draft's greedy
+    prediction from the whole sequence (an independent forward), and the tokens are plain
+    greedy decoding's."""
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, tok = demo
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: _Looking())
+    catch_up, propose, forward = (drafters.ModelDraft.catch_up, drafters.ModelDraft.propose,
+                                  drafters.forward)
+    caught, forwards, after_catch_up = [], [], []
+
+    def recorded_catch_up(self, predict=0):
+        seconds, rows = catch_up(self, predict)
+        caught.append(seconds > 0)
+        return seconds, rows
+
+    def recorded_propose(self, k, *args):
+        held, forwards[:] = cache_length(self.cache), []
+        drafts, q = propose(self, k, *args)
+        if caught and caught[-1]:
+            after_catch_up.append((len(self.seq), held, len(forwards), k,
+                                   np.array(drafts).tolist()))
+        caught.clear()
+        return drafts, q
+
+    def counted(model, *args, **kwargs):
+        forwards.append(model)
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(drafters.ModelDraft, "catch_up", recorded_catch_up)
+    monkeypatch.setattr(drafters.ModelDraft, "propose", recorded_propose)
+    monkeypatch.setattr(drafters, "forward", counted)
+    ids = tok.encode(PROMPT)
+    out = [t.id for t in decode(target, draft, ids, k="auto", max_tokens=60)]
+    assert out == [t.id for t in decode(target, None, ids, k=1, max_tokens=60)]
+    seq = ids + out
+    assert len(after_catch_up) >= 3, after_catch_up  # the fill and switches back (every 12)
+    got, expected, clear = [], [], []
+    for length, held, steps, k, drafts in after_catch_up:
+        assert held == length and steps == k - 1 == 1, after_catch_up  # all fed; one forward
+        after, margins = _argmax_after_each(draft, seq[:length] + drafts[:-1], margins=True)
+        got += drafts
+        expected += after[length - 1 :]
+        clear += margins[length - 1 :]
+    _agree_where_clear(got, expected, clear)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

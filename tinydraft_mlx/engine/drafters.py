@@ -12,10 +12,12 @@ The decode loop asks a `Drafter` for proposals and never what kind it holds:
 - `propose(k, sampling, key, history, processors, width)`: up to k tokens (k,) continuing `seq`
   and, when sampling, their distributions q (k, width) (point masses for a deterministic
   proposal); fewer (or none) where the source has nothing to offer.
-- `catch_up(predict)`: after plain rounds, feed a model what it missed but the last token of
-  `seq`: (seconds spent, its logits after each of the last n <= `predict` tokens it was fed, (n,
-  V): rows predicting seq[-n:], evidence for `k="auto"` from the catch-up's own forward); (0.0,
-  None) where nothing was missed.
+- `catch_up(predict)`: after plain rounds, feed a model what it missed of `seq`, its last token
+  included, and keep the logits after that last token for the next `propose`'s first step (the
+  catch-up's forward computes them with the rest): (seconds spent, its logits after each of the
+  n <= `predict` tokens before the last, (n, V): rows predicting seq[-n:], evidence for
+  `k="auto"` from the catch-up's own forward); (0.0, None) where at most two tokens were missed
+  (the first draft step feeds those).
 - `beyond()`: after a greedy `propose` whose first step fed the draft two tokens (the previous
   round's last draft d_k and the target's token after it: that round was accepted whole),
   whether the draft's argmax after d_k was that token, i.e. whether one more draft position
@@ -145,15 +147,17 @@ class ModelDraft:
 
     def propose(self, k, sampling, key, history, processors, width) -> Proposal:
         """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
-        plain rounds), or all of it where the first step ran ahead (`ahead`)."""
+        plain rounds), or all of it where its first step's forward has run already (`ahead`,
+        `catch_up`)."""
         self._beyond = None
         start, self._ahead = self._ahead, None
         if k == 0:
             return _empty()
         held = cache_length(self.cache)
         if start is not None and not (start.length == held == len(self.seq)):
-            start = None  # plain rounds since, or the round was not accepted whole
-        unseen = self.seq[-2:] if start is not None else self.seq[held:]
+            start = None  # tokens since, or the round was not accepted whole
+        # the tokens the first step feeds (or fed, where its forward has run already)
+        unseen = self.seq[held:] if start is None else self.seq[held - start.rows.shape[0] :]
         drafts, q, after = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
                                         history, processors, width,
                                         None if start is None else start.rows)
@@ -190,17 +194,22 @@ class ModelDraft:
         return (mx.argmax(logits) == following).astype(mx.int32).reshape(1)
 
     def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
-        """Feed the model what it missed (after plain rounds) but the last token, as a prefill,
-        so that at most 2 tokens remain for its first step; returns the seconds it took (prefill
-        evaluates, so this is device time too) and its logits after each of the last `predict`
-        tokens it was fed (rows predicting seq[-n:]). Nothing to do (0.0, None) within a run of
-        drafting rounds."""
+        """Feed the model what it missed (after plain rounds), its last token included, as one
+        prefill, and keep the logits after that last token for the next `propose` (as a step
+        run ahead: its first step then runs no forward); returns the seconds it took (prefill
+        evaluates, so this is device time too) and its logits after each of the `predict`
+        tokens before the last (rows predicting seq[-n:]). Nothing to do (0.0, None) where at
+        most 2 tokens were missed (within a run of drafting rounds: its first step feeds them).
+        A catch-up that left the last token to the first step made that round a run's slowest
+        (demo pair, CPU: 4.1-4.6 ms where a run's k = 1 rounds took 3.1-3.3), and a new pair's
+        cost R(k) was judged on such rounds (`policy.py`)."""
         unseen = self.seq[cache_length(self.cache) :]
         if len(unseen) <= 2:
             return 0.0, None
         start = time.perf_counter()
-        rows = prefill(self.model, self.cache, unseen[:-1], predict=predict)
-        return time.perf_counter() - start, rows
+        rows = prefill(self.model, self.cache, unseen, predict=predict + 1)
+        self._ahead = _Ahead(len(self.seq), rows[-1:])
+        return time.perf_counter() - start, rows[:-1] if predict else None
 
     def rollback(self, keep: int) -> None:
         if self._ahead is not None and self._ahead.length > keep:
@@ -426,8 +435,9 @@ def draft_logits(
 
 @dataclass
 class _Ahead:
-    """A first draft step's forward queued ahead (`ModelDraft.ahead`): the draft cache's length
-    after it (seq's length where it is used) and its logits after each of its two tokens."""
+    """A first draft step's forward run ahead (`ModelDraft.ahead`: queued behind a verify;
+    `ModelDraft.catch_up`: the catch-up's last row): the draft cache's length after it (seq's
+    length where it is used) and its logits after each token it fed last (two, or one)."""
 
     length: int
     rows: mx.array

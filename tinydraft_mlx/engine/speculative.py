@@ -379,7 +379,7 @@ def _rounds(g: _Generation) -> Iterator[Token]:
         if k > 0:  # after plain rounds the draft catches up first, which k="auto" learns from
             looked = time.perf_counter()
             if g.fills:  # the draft's first catch-up also feeds it the prompt (`_prefill`)
-                fed = len(g.seq) - 1 - cache_length(g.draft_cache)
+                fed = len(g.seq) - cache_length(g.draft_cache)
             with mx.stream(g.stream):
                 catch_up, rows = g.drafter.catch_up(predict=CATCH_UP_EVIDENCE if g.looks else 0)
                 evidence = _catch_up_evidence(g, rows) if rows is not None else []
