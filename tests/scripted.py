@@ -45,5 +45,8 @@ class ScriptedPolicy:
     def wants_beyond(self, position: int) -> bool:
         return True  # every round's evidence, to be checked
 
+    def whole_chance(self, k: int) -> float:
+        return 1.0  # every drafting round queues its next first step (the loop's gate decides)
+
     def end_stretch(self) -> None:
         pass

@@ -864,6 +864,47 @@ def test_a_catch_up_runs_the_first_draft_steps_forward(demo, monkeypatch):
     _agree_where_clear(got, expected, clear)
 
 
+class _Expects(ScriptedPolicy):
+    """k="auto" drafting k = 1 every round, expecting each round to be accepted whole with the
+    chance `CHANCE` (`whole_chance`)."""
+
+    CHANCE = 1.0
+
+    def whole_chance(self, k: int) -> float:
+        return self.CHANCE
+
+
+@pytest.mark.parametrize("chance", [0.0, 0.9])
+def test_auto_runs_a_step_ahead_where_its_policy_expects_the_round_accepted_whole(
+        demo, monkeypatch, chance):
+    """With k="auto" a drafting round queues the next round's first draft step behind its
+    verify where its policy's chance of the round being accepted whole reaches AHEAD_MIN (0.5),
+    whatever share of this generation's rounds were (that share starts at AHEAD_MIN, so a
+    generation's first rejected round turned it off for the next round, one of the three a new
+    pair's cost is first judged on); the tokens are plain greedy decoding's either way."""
+    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.speculative as spec
+
+    target, draft, tok = demo
+    policy = type("Policy", (_Expects,), {"CHANCE": chance})()
+    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: policy)
+    ahead, queued = drafters.ModelDraft.ahead, []
+
+    def counted(self, last, token):
+        queued.append(len(self.seq))
+        return ahead(self, last, token)
+
+    monkeypatch.setattr(drafters.ModelDraft, "ahead", counted)
+    ids = tok.encode(PROMPT)
+    tokens = list(decode(target, draft, ids, k="auto", max_tokens=40))
+    assert [t.id for t in tokens] == [t.id for t in decode(target, None, ids, k=1,
+                                                            max_tokens=40)]
+    stats = tokens[-1].stats
+    drafting = stats.rounds - stats.k_histogram.get(0, 0)
+    assert 0 < stats.accepted < stats.drafted  # rounds accepted whole and not
+    assert len(queued) == (drafting if chance else 0), (len(queued), drafting)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_step_run_ahead_changes_no_token(demo, monkeypatch, temperature):
     """The forward run ahead is the one the next round's first draft step would run (same

@@ -391,6 +391,18 @@ def test_one_more_position_is_asked_for_while_its_evidence_is_thin():
     assert not policy.wants_beyond(4)  # position 5 of a 4-position policy: never booked
 
 
+def test_the_chance_of_a_round_accepted_whole_is_the_product_of_the_mean_acceptances():
+    """`whole_chance(k)`: the product of the first k positions' posterior means (each
+    (accepted + 2 * pooled) / (reached + 2), pooled = (1 + all accepted) / (2 + all reached))."""
+    policy = DraftLengthPolicy(4)
+    assert policy.whole_chance(0) == 1.0
+    assert policy.whole_chance(2) == pytest.approx(0.25)  # no evidence: 0.5 each
+    policy.accepted[:2], policy.rejected[:2] = [8.0, 6.0], [2.0, 2.0]
+    # pooled 15 / 20 = 0.75; means 9.5 / 12 and 7.5 / 10
+    assert policy.whole_chance(1) == pytest.approx(9.5 / 12)
+    assert policy.whole_chance(2) == pytest.approx(9.5 / 12 * 0.75)
+
+
 def test_costs_loaded_from_the_file_give_way_to_this_processs_timings():
     """A cost loaded from the policy file is replaced by the first timing of that k in this
     process (not blended in), and once a drafting round has been timed here, a k timed only in

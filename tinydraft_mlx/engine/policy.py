@@ -387,6 +387,14 @@ class DraftLengthPolicy:
             for a, r in zip(self.accepted, self.rejected)
         ]
 
+    def whole_chance(self, k: int) -> float:
+        """The chance that a round drafting k tokens is accepted whole: the product of the first
+        k positions' posterior mean acceptance."""
+        chance = 1.0
+        for alpha in self.acceptance_means()[:k]:
+            chance *= alpha
+        return chance
+
     # -- decisions -------------------------------------------------------------------------------
     def start_generation(self) -> None:
         """A generation starts: its draft is in step with its target (or starts empty: its first
