@@ -174,7 +174,8 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
         round_seconds = round_time(costs["round_seconds"], k) * factor
         if policy is not None:
             policy.update(k, accepted, round_seconds, catch_up=catch_up)
-            if k and accepted == k and i + k < n_tokens:
+            asks = getattr(policy, "wants_beyond", None)  # (policies before 2026-12-04: always)
+            if k and accepted == k and i + k < n_tokens and (asks is None or asks(k)):
                 policy.observe_beyond(k, bool(matches[i + k]))
         seconds += round_seconds + catch_up
         i += accepted + 1
