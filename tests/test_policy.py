@@ -176,6 +176,32 @@ def test_catch_up_prices_the_switch_not_sustained_drafting(alpha):
     assert tokens / seconds >= 0.95 * best_rate(alpha, cost)
 
 
+def test_switches_timed_at_one_stretch_length_do_not_price_a_short_catch_up_as_a_long_one():
+    """The catch-up's fit (a fixed part plus a part per plain round missed) cannot tell its two
+    parts apart from switches timed after stretches of one length (a policy file written by
+    processes that each looked once after ~54 plain rounds, at 3.45 ms): without the prior point
+    (a catch-up on almost nothing costs a plain round, 1.7 ms) all of it was the fixed part, and a
+    look after 10 plain rounds was priced at 3.45 ms, where the line through both says 2.02.
+    Where switches at several lengths tell the parts apart, the prior point moves the fit little;
+    before any switch the price is a plain round."""
+    from tinydraft_mlx.engine.policy import RoundCosts
+
+    costs = RoundCosts()
+    for _ in range(3):
+        costs.book_switch(54, 3.45e-3)
+    assert costs.switch_cost(10) == pytest.approx(3.45e-3)  # the fit alone: all fixed
+    line = 1.7e-3 + (3.45e-3 - 1.7e-3) / 54 * 10  # through (0, 1.7 ms) and (54, 3.45 ms)
+    assert costs.switch_cost(10, anchor=1.7e-3) == pytest.approx(line, rel=1e-6)
+    policy = DraftLengthPolicy(4, costs=costs)
+    policy.round_seconds[0], policy.behind = 1.7e-3, 10
+    assert policy._switch_price() == pytest.approx(line, rel=1e-6)
+    spread = RoundCosts()  # 0.2 + 0.1 per round, timed after 3 and 13 plain rounds
+    spread.book_switch(3, 0.5)
+    spread.book_switch(13, 1.5)
+    assert spread.switch_cost(23, anchor=1.0) == pytest.approx(2.5, rel=0.07)
+    assert RoundCosts().switch_cost(10, anchor=1.7e-3) == pytest.approx(1.7e-3)
+
+
 def test_shared_policy_keeps_costs_per_pair_and_acceptance_per_sampling_regime():
     """Acceptance learned greedily must not steer sampled requests (on the server, T = 0
     acceptance steered T = 1 requests for tens of rounds); costs are the pair's, whatever the

@@ -92,7 +92,9 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   round) is not missed however much evidence there is. The loss counts the draft's catch-up on
   the plain rounds it missed: a prefill of those tokens, fitted as a fixed part plus a part per
   token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
-  underrated long stretches' probes by 2x); a look's price includes its evidence (the draft's
+  underrated long stretches' probes by 2x), through a prior point at a plain round's cost for a
+  catch-up on almost nothing (switches timed at one stretch length alone, as a policy file's
+  often are, cannot tell the two parts apart); a look's price includes its evidence (the draft's
   head on its last rows, sampled: the warps of both sides). Where the loop looks first (below) a
   probe risks its catch-up whatever the draft is worth, so the budget is spent at the rate of
   the chance that the look finds the draft worth exploring (`_probe_share`: the first position's
@@ -184,6 +186,7 @@ STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh b
 HOLD_ROUNDS = 8  # plain rounds a plain choice stands for unless a probe or the first look falls due
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
+ANCHOR_WEIGHT = 0.1  # switches' worth of the switch cost's prior point (`switch_cost`)
 BEYOND_EVIDENCE = 6.0  # observations of position k + 1 past which a k round stops reading it
 _GRID = [(i + 0.5) / LOOK_POINTS for i in range(LOOK_POINTS)]
 _LOG_GRID = [(math.log(x), math.log1p(-x)) for x in _GRID]
@@ -228,9 +231,16 @@ class RoundCosts:
                            bc + behind * seconds]
         self.switches += 1
 
-    def switch_cost(self, behind: int) -> float:
-        """Estimated seconds of a catch-up after `behind` plain rounds (0.0 before any)."""
+    def switch_cost(self, behind: int, anchor: float | None = None) -> float:
+        """Estimated seconds of a catch-up after `behind` plain rounds (0.0 before any).
+        `anchor`: a catch-up's price on almost nothing (`DraftLengthPolicy._switch_price`: a
+        plain round), a prior point of the fit at 0 rounds behind of weight ANCHOR_WEIGHT: with
+        it, switches timed at one stretch length set the part per round, not the fixed part
+        alone (a policy file's switches, every one after ~50 plain rounds at 3.4 ms, priced a
+        look after 10 at 3.4 ms where it cost ~2)."""
         w, b, c, bb, bc = self.switch_fit
+        if anchor is not None:
+            w, c = w + ANCHOR_WEIGHT, c + ANCHOR_WEIGHT * anchor
         if w <= 0:
             return 0.0
         mean_b, mean_c = b / w, c / w
@@ -442,9 +452,9 @@ class DraftLengthPolicy:
 
     def _switch_price(self) -> float:
         """Seconds a switch to drafting costs now: the draft's catch-up on the plain rounds it
-        missed (`RoundCosts.switch_cost`), priced as a plain round before any was timed."""
-        return self.costs.switch_cost(self.behind) if self.costs.switches \
-            else self.round_seconds[0]
+        missed (`RoundCosts.switch_cost`), its fit anchored at a plain round's cost for a
+        catch-up on almost nothing (the price before any switch was timed)."""
+        return self.costs.switch_cost(self.behind, anchor=self.round_seconds[0])
 
     def _choose(self, limit: int, caught_up: bool) -> int:
         remaining = limit  # tokens the generation may still emit after this one
