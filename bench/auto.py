@@ -36,6 +36,15 @@ process, per cell and round, every contender (plain, k = 1..4, k="auto" with the
 cleared before its generation) runs the same 128-token generation once, in a shuffled order;
 tokens/s from the call to the last token (prefills in). Ratios of means over ROUNDS rounds
 (default 24), with 95% bootstrap intervals (rounds resampled); results/auto_fresh_policy.*.
+
+    python bench/auto.py --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
+
+A warm policy in one process (`--warm-policy`): the same, but the pair's policy is kept: it has
+generated each of WARM_TEXTS prompts twice before the rounds, and every round takes the next
+prompt in turn (a server's process, whose texts change), the seed changing with the round (the
+always-rejected draft follows one text: there each prompt is a pair of its own, warm the same).
+Unlike the warm cells above (single 64-token generations, medians: +-20% here), it tells a few
+percent apart; results/auto_warm_policy.*.
 """
 
 from __future__ import annotations
@@ -124,6 +133,7 @@ def main() -> None:
 FRESH = ["plain", "k=1", "k=2", "k=3", "k=4", "auto, no file", "auto, file"]
 FRESH_CELLS = [("real", 0.0), ("real", 0.7), ("alpha 0", 0.0)]
 FRESH_TOKENS = 128
+WARM_TEXTS = 4  # prompts a warm process generates in turn (`--warm-policy`)
 
 
 def fresh_worker(contender: str, cell: str, temp: float) -> dict:
@@ -290,34 +300,46 @@ def fresh_plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def fresh_policy_main(rounds: int = 24) -> None:
-    """results/auto_fresh_policy.*: the module docstring's "Fresh policies in one process"."""
+def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
+    """results/auto_fresh_policy.*: the module docstring's "Fresh policies in one process";
+    `warm`: results/auto_warm_policy.*, its "A warm policy in one process"."""
     import random
 
     os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # the policy of this process alone
     target, draft, tok = load_models()
-    ids = tok.encode(PROMPTS[0])
-    ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0, seed=0)[0]
-    drafts = {"real": draft, "alpha 0": OracleDraft(draft, ref, 0.0, 0, target)}
+    prompts = [tok.encode(p) for p in (PROMPTS[:WARM_TEXTS] if warm else PROMPTS[:1])]
     names = ["plain", "k=1", "k=2", "k=3", "k=4", "auto"]
     cells = []
     for cell, temp in FRESH_CELLS:
-        model = drafts[cell]
         sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
+        models = []  # per prompt: the draft (an always-rejected one follows that prompt's text)
+        for ids in prompts:
+            ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0,
+                             seed=0)[0]
+            models.append(OracleDraft(draft, ref, 0.0, 0, target) if cell == "alpha 0"
+                          else draft)
         for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
-            ours(target, model if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp,
-                 seed=1, **sampling)
+            ours(target, models[0] if k else None, tok, prompts[0], k=k or 1, max_tokens=12,
+                 temp=temp, seed=1, **sampling)
+        cold()
+        if warm:  # a process that has generated each text twice already
+            for i in range(2 * len(prompts)):
+                ours(target, models[i % len(prompts)], tok, prompts[i % len(prompts)],
+                     k="auto", max_tokens=FRESH_TOKENS, temp=temp, seed=i, **sampling)
         runs: dict[str, list[float]] = {n: [] for n in names}
         drafted: list[int] = []
         for r in range(rounds):
+            ids, model = prompts[r % len(prompts)], models[r % len(prompts)]
             order = names[:]
             random.Random(r).shuffle(order)
             for name in order:
-                cold()
+                if not warm:
+                    cold()
                 k = "auto" if name == "auto" else 1 if name == "plain" else int(name[2:])
                 start = time.perf_counter()
                 out, _, stats = ours(target, None if name == "plain" else model, tok, ids, k=k,
-                                     max_tokens=FRESH_TOKENS, temp=temp, seed=0, **sampling)
+                                     max_tokens=FRESH_TOKENS, temp=temp, seed=r if warm else 0,
+                                     **sampling)
                 runs[name].append(len(out) / (time.perf_counter() - start))
                 if name == "auto":
                     drafted.append(stats.drafted)
@@ -331,12 +353,13 @@ def fresh_policy_main(rounds: int = 24) -> None:
                       "auto_vs_best_fixed": point[1], "auto_vs_best_fixed_95": intervals[1],
                       "auto_drafted_median": statistics.median(drafted)})
         print({k: v for k, v in cells[-1].items() if k != "runs"}, flush=True)
-    report = {"settings": {"prompt": PROMPTS[0], "max_tokens": FRESH_TOKENS, "rounds": rounds,
+    report = {"settings": {"prompt": PROMPTS[0], "prompts": PROMPTS[: len(prompts)],
+                           "max_tokens": FRESH_TOKENS, "rounds": rounds, "warm": warm,
                            "sampled": {"top_p": 0.8, "top_k": 20}, "dtype": model_dtype(target),
                            "blas": active_blas(),
                            "tokens_per_s": "from the call to the last token"},
               "machine": machine(), "cells": cells}
-    save(report, "auto_fresh_policy", fresh_policy_plot)
+    save(report, "auto_warm_policy" if warm else "auto_fresh_policy", fresh_policy_plot)
 
 
 def _auto_ratios(runs: dict[str, list[float]], fixed: list[str],
@@ -377,8 +400,10 @@ def fresh_policy_plot(report: dict, path: Path) -> None:
     ax.set_ylim(0, 1.4)
     s = report["settings"]
     ax.set(ylabel=f"tokens/s vs plain (mean of {s['rounds']} rounds)",
-           title=f"k='auto' with a fresh policy, one process (demo pair, {s['dtype']}, one "
-                 f"prompt x {s['max_tokens']} tokens, prefills in)")
+           title=(f"k='auto' with a warm policy, one process (demo pair, {s['dtype']}, "
+                  f"{len(s['prompts'])} prompts in turn" if s.get("warm") else
+                  f"k='auto' with a fresh policy, one process (demo pair, {s['dtype']}, one "
+                  "prompt") + f" x {s['max_tokens']} tokens, prefills in)")
     ax.legend(fontsize=8, ncol=len(names), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -426,6 +451,8 @@ if __name__ == "__main__":
         fresh_main(*map(int, sys.argv[2:3]))
     elif sys.argv[1:2] == ["--fresh-policy"]:
         fresh_policy_main(*map(int, sys.argv[2:3]))
+    elif sys.argv[1:2] == ["--warm-policy"]:
+        fresh_policy_main(*map(int, sys.argv[2:3]), warm=True)
     elif sys.argv[1:2] == ["--fresh-from"]:
         import json
 

@@ -541,13 +541,18 @@ def auto_fresh(r: dict) -> list[str]:
 def auto_fresh_policy(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     names = list(r["cells"][0]["tok_s"])
+    name = "auto_warm_policy" if s.get("warm") else "auto_fresh_policy"
+    what = (f"a warm policy, in one process** (`python bench/auto.py --warm-policy`; demo pair, "
+            f"{s['dtype']}, {len(s['prompts'])} prompts in turn x {s['max_tokens']} tokens, "
+            f"{s['rounds']} rounds of every contender in shuffled order, the pair's policy kept "
+            "from two earlier generations of each prompt on" if s.get("warm") else
+            f"a fresh policy, in one process** (`python bench/auto.py --fresh-policy`; demo pair, "
+            f"{s['dtype']}, one prompt x {s['max_tokens']} tokens, {s['rounds']} rounds of every "
+            "contender in shuffled order, the policy cleared before each auto generation")
     lines = [
-        f"**k=\"auto\" with a fresh policy, in one process** (`python bench/auto.py "
-        f"--fresh-policy`; demo pair, {s['dtype']}, one prompt x {s['max_tokens']} tokens, "
-        f"{s['rounds']} rounds of every contender in shuffled order, the policy cleared before "
-        f"each auto generation; tokens/s from the call to the last token, means; {m['device']}, "
-        f"BLAS: {m['blas']}; [json](results/auto_fresh_policy.json), "
-        "[plot](results/auto_fresh_policy.png)). In brackets: 95% bootstrap intervals.",
+        f"**k=\"auto\" with {what}; tokens/s from the call to the last token, means; "
+        f"{m['device']}, BLAS: {m['blas']}; [json](results/{name}.json), "
+        f"[plot](results/{name}.png)). In brackets: 95% bootstrap intervals.",
         "",
         "| draft, T | " + " | ".join(names) + " | auto / plain | auto / best fixed k | "
         "auto drafted (median tokens) |",
@@ -650,6 +655,7 @@ def main() -> None:
         ("auto_shapes", auto),
         ("auto_fresh", auto_fresh),
         ("auto_fresh_policy", auto_fresh_policy),
+        ("auto_warm_policy", auto_fresh_policy),
         ("auto_replay", auto_replay),
         ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
