@@ -312,12 +312,11 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
     cells = []
     for cell, temp in FRESH_CELLS:
         sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
-        models = []  # per prompt: the draft (an always-rejected one follows that prompt's text)
-        for ids in prompts:
-            ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0,
-                             seed=0)[0]
-            models.append(OracleDraft(draft, ref, 0.0, 0, target) if cell == "alpha 0"
-                          else draft)
+        # per prompt: the draft (an always-rejected one follows that prompt's greedy text)
+        models = [draft] * len(prompts) if cell != "alpha 0" else [
+            OracleDraft(draft, ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS,
+                                          temp=0.0, seed=0)[0], 0.0, 0, target)
+            for ids in prompts]
         for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
             ours(target, models[0] if k else None, tok, prompts[0], k=k or 1, max_tokens=12,
                  temp=temp, seed=1, **sampling)
