@@ -35,7 +35,8 @@ what is fresh in a fresh process (its compiled steps are traced first either way
 process, per cell and round, every contender (plain, k = 1..4, k="auto" with the pair's policy
 cleared before its generation) runs the same 128-token generation once, in a shuffled order;
 tokens/s from the call to the last token (prefills in). Ratios of means over ROUNDS rounds
-(default 24), with 95% bootstrap intervals (rounds resampled); results/auto_fresh_policy.*.
+(default 24), with 95% bootstrap intervals (rounds resampled); the cells above and the oracle draft
+at alpha 0.9 (drafting pays clearly); results/auto_fresh_policy.*.
 
     python bench/auto.py --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
 
@@ -132,6 +133,9 @@ def main() -> None:
 
 FRESH = ["plain", "k=1", "k=2", "k=3", "k=4", "auto, no file", "auto, file"]
 FRESH_CELLS = [("real", 0.0), ("real", 0.7), ("alpha 0", 0.0)]
+# in one process (`--fresh-policy`, `--warm-policy`) also the oracle draft at acceptance 0.9, where
+# drafting pays clearly (k = 1 1.15x plain): what a policy must not miss
+POLICY_CELLS = [*FRESH_CELLS, ("alpha 0.9", 0.0)]
 FRESH_TOKENS = 128
 WARM_TEXTS = 4  # prompts a warm process generates in turn (`--warm-policy`)
 
@@ -310,12 +314,13 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
     prompts = [tok.encode(p) for p in (PROMPTS[:WARM_TEXTS] if warm else PROMPTS[:1])]
     names = ["plain", "k=1", "k=2", "k=3", "k=4", "auto"]
     cells = []
-    for cell, temp in FRESH_CELLS:
+    for cell, temp in POLICY_CELLS:
         sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
-        # per prompt: the draft (an always-rejected one follows that prompt's greedy text)
-        models = [draft] * len(prompts) if cell != "alpha 0" else [
+        # per prompt: the draft (an oracle one, "alpha A", follows that prompt's greedy text)
+        models = [draft] * len(prompts) if not cell.startswith("alpha") else [
             OracleDraft(draft, ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS,
-                                          temp=0.0, seed=0)[0], 0.0, 0, target)
+                                          temp=0.0, seed=0)[0], float(cell.split()[1]), 0,
+                        target)
             for ids in prompts]
         for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
             ours(target, models[0] if k else None, tok, prompts[0], k=k or 1, max_tokens=12,
