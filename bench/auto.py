@@ -314,14 +314,15 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
     prompts = [tok.encode(p) for p in (PROMPTS[:WARM_TEXTS] if warm else PROMPTS[:1])]
     names = ["plain", "k=1", "k=2", "k=3", "k=4", "auto"]
     cells = []
+    # per prompt: its greedy text, which an oracle draft ("alpha A") follows (once for every cell)
+    references: list[list[int]] = []
     for cell, temp in POLICY_CELLS:
         sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
-        # per prompt: the draft (an oracle one, "alpha A", follows that prompt's greedy text)
+        if cell.startswith("alpha") and not references:
+            references = [ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS,
+                                     temp=0.0, seed=0)[0] for ids in prompts]
         models = [draft] * len(prompts) if not cell.startswith("alpha") else [
-            OracleDraft(draft, ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS,
-                                          temp=0.0, seed=0)[0], float(cell.split()[1]), 0,
-                        target)
-            for ids in prompts]
+            OracleDraft(draft, ref, float(cell.split()[1]), 0, target) for ref in references]
         for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
             ours(target, models[0] if k else None, tok, prompts[0], k=k or 1, max_tokens=12,
                  temp=temp, seed=1, **sampling)
