@@ -569,6 +569,36 @@ def auto_fresh_policy(r: dict) -> list[str]:
     return lines
 
 
+def auto_budget(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    kinds = s["kinds"]
+    lines = [
+        "**Where a fresh k=\"auto\" generation's time goes** (`python bench/auto_budget.py`; demo "
+        f"pair, {s['dtype']}, one prompt x {s['max_tokens']} tokens, greedy, {s['rounds']} rounds "
+        "of every contender in shuffled order, the policy cleared before each auto generation; "
+        f"{m['device']}, BLAS: {m['blas']}; [json](results/auto_budget.json), "
+        "[plot](results/auto_budget.png)): milliseconds a generation (mean) in each kind of round "
+        "and, in brackets, the tokens those rounds emitted. first: prefill and first token; "
+        "catch-up: auto's catch-ups of the draft on the plain rounds it missed (looks, drafting "
+        "or not after them; in brackets: how many); switch: a drafting round after a plain one; "
+        "change: after a round of another k; cold: after a round of the same k not accepted "
+        "whole; run: after one accepted whole.",
+        "",
+        "| draft, T | contender | ms a generation | " + " | ".join(kinds) + " |",
+        "| --- | --- | --- | " + "--- | " * len(kinds),
+    ]
+    for c in r["cells"]:
+        for name, x in c["contenders"].items():
+            ratio = (f" ({c['auto_vs_best_fixed']:.3f}x {c['best_fixed']})" if name == "auto"
+                     else "")
+            parts = [f"{x['kinds'][k]['ms']:.1f} "
+                     f"({x['kinds'][k]['rounds' if k == 'catch-up' else 'tokens']:.1f})"
+                     if x["kinds"][k]["rounds"] else "-" for k in kinds]
+            lines.append(f"| {c['cell']}, {c['temp']:g} | {name} | {x['ms']:.1f}{ratio} | "
+                         + " | ".join(parts) + " |")
+    return lines
+
+
 def auto_replay(r: dict) -> list[str]:
     s = r["settings"]
     costs = s["costs"]
@@ -656,6 +686,7 @@ def main() -> None:
         ("auto_fresh", auto_fresh),
         ("auto_fresh_policy", auto_fresh_policy),
         ("auto_warm_policy", auto_fresh_policy),
+        ("auto_budget", auto_budget),
         ("auto_replay", auto_replay),
         ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),

@@ -202,7 +202,7 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
     steps = stream_generate(target, draft, tok, PROMPT, k="auto", max_tokens=20)
     next(steps)
     in_rounds.append(True)
-    list(steps)
+    stats = list(steps)[-1].stats
     ks = [k for k, _ in policy.updates]  # the first round (plain, the target's alone) too
     assert ks[:8] == [0, 0, 0, 0, 0, 0, 2, 2] and 2 in ks[8:], ks
     switches = [i for i, c in enumerate(policy.catch_ups) if c > 0]
@@ -215,6 +215,11 @@ def test_auto_books_the_drafts_catch_up_as_the_switch_cost(pair, monkeypatch):
                                                                              policy.updates)
     assert policy.catch_ups[7] == 0.0 and policy.updates[7][1] < 0.2
     assert not any(policy.catch_ups[:6])  # plain rounds catch nothing up
+    # the generation's statistics count them and their time (part of the decode time)
+    assert stats.catch_ups == len(switches)
+    assert stats.catch_up_seconds == pytest.approx(sum(policy.catch_ups))
+    assert 0.2 * len(switches) <= stats.catch_up_seconds < stats.decode_seconds
+    assert f"{len(switches)} catch-ups in" in stats.summary()
 
 
 def test_auto_books_a_looks_evidence_with_the_catch_up_not_the_round(pair, monkeypatch):

@@ -404,6 +404,8 @@ def _rounds(g: _Generation) -> Iterator[Token]:
                 # and, sampled, the warps): booked as the round's own time, it made R(1) after a
                 # look 2.4x R(0) at T = 0.7 where a k = 1 round costs 1.6x, and kept k = 1 plain
                 catch_up = time.perf_counter() - looked
+                g.stats.catch_ups += 1
+                g.stats.catch_up_seconds += catch_up
         if k > 0:
             draft_key, verify_key = g.split(2)
             with mx.stream(g.stream):

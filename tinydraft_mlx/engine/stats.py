@@ -34,6 +34,10 @@ class GenerationStats:
     # catch-up, which fills it, is part of the rounds' time, `decode_seconds`)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # k="auto": the draft's catch-ups on plain rounds it missed (looks, whether or not drafting
+    # followed; the first also feeds it the prompt) and their time, part of `decode_seconds`
+    catch_ups: int = 0
+    catch_up_seconds: float = 0.0
     peak_memory: float = 0.0  # GB, mx.get_peak_memory() after the latest round (as mlx-lm)
     finish_reason: str | None = None  # "length", "eos", "stop" (a stop string) or "closed"
     blas: str = field(default_factory=active_blas)  # which BLAS MLX's CPU backend used
@@ -97,6 +101,8 @@ class GenerationStats:
             # the choices of k="auto"; a fixed k's rounds only shorten where max_tokens is near
             + (f", rounds by k {dict(sorted(self.k_histogram.items()))}"
                if self.k == "auto" and len(self.k_histogram) > 1 else "")
+            + (f", {_count(self.catch_ups, 'catch-up')} in {self.catch_up_seconds:.3f}s"
+               if self.catch_ups else "")
         )
 
 
