@@ -417,6 +417,27 @@ def test_one_more_position_is_asked_for_while_its_evidence_is_thin():
     assert not policy.wants_beyond(4)  # position 5 of a 4-position policy: never booked
 
 
+def test_one_more_position_is_asked_for_only_while_it_could_change_the_choice():
+    """Once R(0) is known, position k + 1 is read only while drafting k + 1, were that position
+    always accepted, would beat drafting k at the means: a k + 1 timed too dear to pay makes the
+    read worthless (it still cost 1-4% of a run's rounds), an untimed one (its cost extrapolated
+    optimistically) or a cheap one keeps it worth reading."""
+    policy = DraftLengthPolicy(4, draft_ratio=0.25)
+    policy.accepted[0], policy.rejected[0] = 9.0, 1.0
+    assert policy.wants_beyond(1)  # nothing timed: read
+    policy._book(0, 1.0, 8)
+    policy._book(1, 1.6, 1)
+    # E(1) ~ 1.85 in 1.6 (1.16 a second); k = 2 at R(1) + a draft step 1.85: up to 2.7 in 1.85
+    assert policy.wants_beyond(1)
+    policy._book(2, 3.0, 1)  # at most 2.7 in 3.0: k = 2 cannot pay, whatever position 2 does
+    assert not policy.wants_beyond(1)
+    cheap = DraftLengthPolicy(4, draft_ratio=0.25)
+    cheap.accepted[0], cheap.rejected[0] = 9.0, 1.0
+    for k, seconds in [(0, 1.0), (1, 1.6), (2, 2.0)]:
+        cheap._book(k, seconds, 8 if k == 0 else 1)
+    assert cheap.wants_beyond(1)  # up to 2.7 in 2.0 beats 1.85 in 1.6
+
+
 def test_the_chance_of_a_round_accepted_whole_is_the_product_of_the_mean_acceptances():
     """`whole_chance(k)`: the product of the first k positions' posterior means (each
     (accepted + 2 * pooled) / (reached + 2), pooled = (1 + all accepted) / (2 + all reached))."""
