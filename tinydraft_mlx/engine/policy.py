@@ -766,9 +766,10 @@ class DraftLengthPolicy:
             return False
         if 0 not in self.round_seconds:
             return True
-        alphas = self.acceptance_means()
-        tokens = self.expected_tokens(alphas, position)
-        whole = self.whole_chance(position)
+        tokens, whole = 1.0, 1.0  # E(position) and the chance it is accepted whole
+        for alpha in self.acceptance_means()[:position]:
+            whole *= alpha
+            tokens += whole
         return (tokens + whole) / self.round_cost(position + 1) > \
             tokens / self.round_cost(position)
 
