@@ -69,6 +69,14 @@ def cold() -> None:
     policy_module._SHARED.clear()
 
 
+def trace_shapes(target, model, tok, ids: list[int], temp: float, **sampling) -> None:
+    """Trace the compiled step of every shape a contender may use (plain and k = 1..AUTO_MAX_K)
+    with short generations, so that timed rounds measure the policy, not tracing."""
+    for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):
+        ours(target, model if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp, seed=1,
+             **sampling)
+
+
 def run_cell(target, tok, prompts, draft_for, ks, args, temp) -> dict:
     names = ["plain", *(f"k={k}" for k in ks), "auto warm", "auto cold"]
     sampling = {} if temp == 0 else {"top_p": args.top_p, "top_k": args.top_k}
@@ -151,8 +159,7 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
                          seed=0)[0]
         draft = OracleDraft(draft, ref, 0.0, 0, target)
     saved = dict(policy._SHARED)
-    for k in (None, *range(1, policy.AUTO_MAX_K + 1)):  # trace every shape, learn no policy
-        ours(target, draft if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp, seed=1)
+    trace_shapes(target, draft, tok, ids, temp)  # learns no policy
     assert policy._SHARED == saved
     k = {"plain": 1}.get(contender, "auto" if contender.startswith("auto") else
                          int(contender[2:]) if contender.startswith("k=") else None)
@@ -323,9 +330,7 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
                                      temp=0.0, seed=0)[0] for ids in prompts]
         models = [draft] * len(prompts) if not cell.startswith("alpha") else [
             OracleDraft(draft, ref, float(cell.split()[1]), 0, target) for ref in references]
-        for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
-            ours(target, models[0] if k else None, tok, prompts[0], k=k or 1, max_tokens=12,
-                 temp=temp, seed=1, **sampling)
+        trace_shapes(target, models[0], tok, prompts[0], temp, **sampling)
         cold()
         if warm:  # a process that has generated each text twice already
             for i in range(2 * len(prompts)):

@@ -35,12 +35,12 @@ import random
 import statistics
 import time
 
+from auto import cold, trace_shapes
 from common import machine, model_dtype, pyplot, save
 from oracle_draft import OracleDraft
 
 from bench import PROMPTS, ours
 from tinydraft_mlx import active_blas, load_models, stream_generate
-from tinydraft_mlx.engine import policy as policy_module
 
 CELLS = [("real", 0.0), ("alpha 0.9", 0.0)]
 NAMES = ["plain", "k=1", "k=2", "auto"]
@@ -102,15 +102,13 @@ def main() -> None:
     for cell, temp in CELLS:
         model = draft if cell == "real" else OracleDraft(draft, reference, float(cell.split()[1]),
                                                           0, target)
-        for k in (None, *range(1, policy_module.AUTO_MAX_K + 1)):  # trace every shape first
-            ours(target, model if k else None, tok, ids, k=k or 1, max_tokens=12, temp=temp,
-                 seed=1)
+        trace_shapes(target, model, tok, ids, temp)
         runs: dict[str, list[dict]] = {name: [] for name in NAMES}
         for r in range(args.rounds):
             order = NAMES[:]
             random.Random(r).shuffle(order)
             for name in order:
-                policy_module._SHARED.clear()  # k="auto": a fresh process's first generation
+                cold()  # k="auto": a fresh process's first generation
                 k = "auto" if name == "auto" else 1 if name == "plain" else int(name[2:])
                 runs[name].append(generation(target, None if name == "plain" else model, tok,
                                              ids, k, seed=0))

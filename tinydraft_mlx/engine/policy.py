@@ -766,12 +766,10 @@ class DraftLengthPolicy:
             return False
         if 0 not in self.round_seconds:
             return True
-        tokens, whole = 1.0, 1.0  # E(position) and the chance it is accepted whole
-        for alpha in self.acceptance_means()[:position]:
-            whole *= alpha
-            tokens += whole
-        return (tokens + whole) / self.round_cost(position + 1) > \
-            tokens / self.round_cost(position)
+        alphas, known = self.acceptance_means()[:position], self._costs_in_use()
+        hoped = self.expected_tokens([*alphas, 1.0], position + 1)  # position + 1 always kept
+        return hoped / self._round_cost(position + 1, known) > \
+            self.expected_tokens(alphas, position) / self._round_cost(position, known)
 
     def _add_evidence(self, accepted: list[float], reached: list[float], starts: int) -> None:
         """Add per-position counts from `starts` overlapping observations, scaled down to at
