@@ -384,6 +384,45 @@ def test_a_seeded_sequence_does_not_depend_on_its_batch(pair, refs, kind):
 
 # -- arguments --------------------------------------------------------------------------------
 
+def test_auto_rows_count_their_catch_ups(pair, refs, monkeypatch):
+    """A k="auto" row that drafts again after plain rounds first catches its draft up on them
+    (one batched forward, part of the round's graph): each such switch is counted in its
+    statistics, as the one-sequence loop counts its own, and not timed (the batch's round is one
+    graph); a plain row counts none. The schedule: 5 plain rounds, then 2 drafting (the draft,
+    prefilled with the prompt, has then missed at least 3 tokens: a catch-up every time)."""
+    import tinydraft_mlx.engine.batch as batch
+
+    picks: list[int] = []
+    schedule = (0, 0, 0, 0, 0, 2, 2)
+
+    def scripted(costs, policies, limit):  # one call per round, in order (no one joins)
+        k = min(schedule[len(picks) % len(schedule)], limit)
+        picks.append(k)
+        return k
+
+    monkeypatch.setattr(batch, "choose_for_batch", scripted)
+    target, draft, _ = pair
+    decoder = BatchDecoder(target, draft)
+    auto = [decoder.insert(refs[i][0], draft="model", k="auto", max_tokens=NEW) for i in (0, 2)]
+    plain = decoder.insert(refs[1][0], draft=None, k=4, max_tokens=NEW)
+    out: dict[int, list[int]] = {uid: [] for uid in [*auto, plain]}
+    last = {}
+    while len(decoder):
+        for uid, tokens in decoder.step().items():
+            out[uid] += [t.id for t in tokens]
+            last[uid] = tokens[-1].stats
+    for uid, i in zip(auto, (0, 2)):
+        assert out[uid] == refs[i][1]
+        stats = last[uid]
+        rounds = picks[: stats.rounds]  # the row's rounds (both rows were there from the first)
+        switches = sum(1 for a, b in zip(rounds, rounds[1:]) if a == 0 and b > 0)
+        assert switches >= 2 and stats.catch_ups == switches, (rounds, stats.catch_ups)
+        assert stats.catch_up_seconds == 0.0
+        summary = stats.summary()
+        assert f"{switches} catch-ups" in summary and "catch-ups in" not in summary
+    assert out[plain] == refs[1][1] and last[plain].catch_ups == 0
+
+
 def test_batch_generate_refuses_bad_arguments(pair):
     target, draft, tok = pair
     cache = PromptCache(target, draft)

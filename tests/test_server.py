@@ -149,6 +149,11 @@ def test_completion_greedy_equals_the_library(served, models, k, draft):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert spec["draft"] == draft and sum(marks(choice)["from_draft"]) == spec["accepted"]
     assert sum(spec["k_histogram"].values()) == spec["rounds"]
+    # k="auto"'s catch-ups of the draft after plain rounds, and their time (where timed alone:
+    # not in a batch, whose round is one graph): none at a fixed k
+    assert spec["catch_ups"] >= 0 and spec["catch_up_seconds"] >= 0.0
+    assert spec["catch_ups"] > 0 or spec["catch_up_seconds"] == 0.0
+    assert k == "auto" or spec["catch_ups"] == 0
     if draft == "none":
         assert spec["drafted"] == 0 and not any(marks(choice)["from_draft"])
     else:

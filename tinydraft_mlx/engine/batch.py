@@ -491,9 +491,14 @@ class BatchDecoder:
 
     def _catch_up(self, rows: list[_Row]) -> None:
         """Feed the draft what its rows missed in plain rounds, so that at most 2 unseen tokens
-        are left to each row's first draft step."""
+        are left to each row's first draft step. A k="auto" row that missed any counts a
+        catch-up (`GenerationStats.catch_ups`, as the one-sequence loop counts its own); its
+        time is part of the round's, one graph for the batch, so no row's `catch_up_seconds`
+        is booked."""
         cache = self.draft_cache
         chunk = self.margin + 1 if cache.bounded else self.prefill_step
+        for row, length in zip(rows, cache.lengths):
+            row.stats.catch_ups += row.policy is not None and length < len(row.seq) - 2
         while True:
             todo = [r.seq[length : len(r.seq) - 2] for r, length in zip(rows, cache.lengths)]
             widest = max(len(t) for t in todo)

@@ -36,6 +36,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     # k="auto": the draft's catch-ups on plain rounds it missed (looks, whether or not drafting
     # followed; the first also feeds it the prompt) and their time, part of `decode_seconds`
+    # (in a batch, `BatchDecoder`, the catch-up runs in the round's graph: counted, not timed)
     catch_ups: int = 0
     catch_up_seconds: float = 0.0
     peak_memory: float = 0.0  # GB, mx.get_peak_memory() after the latest round (as mlx-lm)
@@ -101,8 +102,8 @@ class GenerationStats:
             # the choices of k="auto"; a fixed k's rounds only shorten where max_tokens is near
             + (f", rounds by k {dict(sorted(self.k_histogram.items()))}"
                if self.k == "auto" and len(self.k_histogram) > 1 else "")
-            + (f", {_count(self.catch_ups, 'catch-up')} in {self.catch_up_seconds:.3f}s"
-               if self.catch_ups else "")
+            + (f", {_count(self.catch_ups, 'catch-up')}" if self.catch_ups else "")
+            + (f" in {self.catch_up_seconds:.3f}s" if self.catch_up_seconds else "")
         )
 
 

@@ -159,7 +159,9 @@ def now() -> int:
 def usage(stats: GenerationStats | None, prompt_tokens: int, completion_tokens: int,
           draft: str) -> dict[str, Any]:
     """OpenAI's usage with `prompt_tokens_details.cached_tokens` and our `speculative` block:
-    what was drafted and accepted, per position, the rounds by k and the decode speed."""
+    what was drafted and accepted, per position, the rounds by k, the decode speed, and
+    k="auto"'s catch-ups of the draft after plain rounds (their time where it was measured
+    alone: 0.0 in a batch)."""
     cached = stats.cached_tokens if stats is not None else 0
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
@@ -181,6 +183,8 @@ def usage(stats: GenerationStats | None, prompt_tokens: int, completion_tokens: 
             "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds,
             "decode_tokens_per_second": stats.tokens_per_second,
+            "catch_ups": stats.catch_ups,
+            "catch_up_seconds": stats.catch_up_seconds,
         }
     return out
 
