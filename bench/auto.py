@@ -36,7 +36,11 @@ process, per cell and round, every contender (plain, k = 1..4, k="auto" with the
 cleared before its generation) runs the same 128-token generation once, in a shuffled order;
 tokens/s from the call to the last token (prefills in). Ratios of means over ROUNDS rounds
 (default 24), with 95% bootstrap intervals (rounds resampled); the cells above and the oracle draft
-at alpha 0.9 (drafting pays clearly); results/auto_fresh_policy.*.
+at alpha 0.9 (drafting pays clearly); results/auto_fresh_policy.*. "auto, file" is a new process
+with the policy file: before its generation nothing of the pair is in memory (its policy, the
+models' fingerprints) and it reads the cell's policy file, which a previous process wrote (one
+generation before the rounds) and every "auto, file" generation writes in turn, as consecutive
+CLI runs do.
 
     python bench/auto.py --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
 
@@ -144,6 +148,7 @@ FRESH_CELLS = [("real", 0.0), ("real", 0.7), ("alpha 0", 0.0)]
 # in one process (`--fresh-policy`, `--warm-policy`) also the oracle draft at acceptance 0.9, where
 # drafting pays clearly (k = 1 1.14-1.22x plain): what a policy must not miss
 POLICY_CELLS = [*FRESH_CELLS, ("alpha 0.9", 0.0)]
+FILE = "auto, file"  # `--fresh-policy`: a new process that starts from the policy file
 FRESH_TOKENS = 128
 WARM_TEXTS = 4  # prompts a warm process generates in turn (`--warm-policy`)
 
@@ -315,11 +320,23 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
     """results/auto_fresh_policy.*: the module docstring's "Fresh policies in one process";
     `warm`: results/auto_warm_policy.*, its "A warm policy in one process"."""
     import random
+    import shutil
+    import tempfile
+
+    from tinydraft_mlx.engine import policy_store
 
     os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # the policy of this process alone
     target, draft, tok = load_models()
     prompts = [tok.encode(p) for p in (PROMPTS[:WARM_TEXTS] if warm else PROMPTS[:1])]
-    names = ["plain", "k=1", "k=2", "k=3", "k=4", "auto"]
+    names = ["plain", "k=1", "k=2", "k=3", "k=4", "auto"] + ([] if warm else [FILE])
+    files = tempfile.mkdtemp()
+
+    def new_process(file: str) -> None:
+        """What a new process has: no pair in memory, no fingerprint computed, the policy file
+        (or none)."""
+        os.environ["TINYDRAFT_POLICY_FILE"] = file
+        policy_module._SHARED.clear()
+        policy_store._FINGERPRINTS.clear()
     cells = []
     # per prompt: its greedy text, which an oracle draft ("alpha A") follows (once for every cell)
     references: list[list[int]] = []
@@ -332,12 +349,18 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
             OracleDraft(draft, ref, float(cell.split()[1]), 0, target) for ref in references]
         trace_shapes(target, models[0], tok, prompts[0], temp, **sampling)
         cold()
+        file = os.path.join(files, f"{len(cells)}.json")  # this cell's policy file
+        if not warm:  # written by a previous process
+            new_process(file)
+            ours(target, models[0], tok, prompts[0], k="auto", max_tokens=FRESH_TOKENS,
+                 temp=temp, seed=len(cells) + 1000, **sampling)
+            new_process("off")
         if warm:  # a process that has generated each text twice already
             for i in range(2 * len(prompts)):
                 ours(target, models[i % len(prompts)], tok, prompts[i % len(prompts)],
                      k="auto", max_tokens=FRESH_TOKENS, temp=temp, seed=i, **sampling)
         runs: dict[str, list[float]] = {n: [] for n in names}
-        drafted: list[int] = []
+        drafted: dict[str, list[int]] = {n: [] for n in names if n.startswith("auto")}
         for r in range(rounds):
             ids, model = prompts[r % len(prompts)], models[r % len(prompts)]
             order = names[:]
@@ -345,14 +368,19 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
             for name in order:
                 if not warm:
                     cold()
-                k = "auto" if name == "auto" else 1 if name == "plain" else int(name[2:])
+                    if name == FILE:  # a new process that reads (and then writes) the file
+                        new_process(file)
+                k = ("auto" if name.startswith("auto") else 1 if name == "plain" else
+                     int(name[2:]))
                 start = time.perf_counter()
                 out, _, stats = ours(target, None if name == "plain" else model, tok, ids, k=k,
                                      max_tokens=FRESH_TOKENS, temp=temp, seed=r if warm else 0,
                                      **sampling)
                 runs[name].append(len(out) / (time.perf_counter() - start))
-                if name == "auto":
-                    drafted.append(stats.drafted)
+                if name in drafted:
+                    drafted[name].append(stats.drafted)
+                if name == FILE:
+                    new_process("off")
         fixed = [n for n in names if n.startswith("k=")]
         mean = {n: statistics.fmean(v) for n, v in runs.items()}
         point, intervals = _auto_ratios(runs, fixed, rounds)
@@ -361,7 +389,12 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
                       "best_fixed": max(fixed, key=mean.get),
                       "auto_vs_plain": point[0], "auto_vs_plain_95": intervals[0],
                       "auto_vs_best_fixed": point[1], "auto_vs_best_fixed_95": intervals[1],
-                      "auto_drafted_median": statistics.median(drafted)})
+                      "auto_drafted_median": statistics.median(drafted["auto"])})
+        if FILE in names:  # the same for the process that starts from the policy file
+            point, intervals = _auto_ratios(runs, fixed, rounds, FILE)
+            cells[-1]["file"] = {"vs_plain": point[0], "vs_plain_95": intervals[0],
+                                 "vs_best_fixed": point[1], "vs_best_fixed_95": intervals[1],
+                                 "drafted_median": statistics.median(drafted[FILE])}
         print({k: v for k, v in cells[-1].items() if k != "runs"}, flush=True)
     report = {"settings": {"prompt": PROMPTS[0], "prompts": PROMPTS[: len(prompts)],
                            "max_tokens": FRESH_TOKENS, "rounds": rounds, "warm": warm,
@@ -369,18 +402,19 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
                            "blas": active_blas(),
                            "tokens_per_s": "from the call to the last token"},
               "machine": machine(), "cells": cells}
+    shutil.rmtree(files, ignore_errors=True)
     save(report, "auto_warm_policy" if warm else "auto_fresh_policy", fresh_policy_plot)
 
 
-def _auto_ratios(runs: dict[str, list[float]], fixed: list[str],
-                 rounds: int) -> tuple[tuple[float, float], list[list[float]]]:
-    """auto's mean tokens/s over plain's and over the best fixed k's, and their 95% bootstrap
+def _auto_ratios(runs: dict[str, list[float]], fixed: list[str], rounds: int,
+                 auto: str = "auto") -> tuple[tuple[float, float], list[list[float]]]:
+    """`auto`'s mean tokens/s over plain's and over the best fixed k's, and their 95% bootstrap
     intervals (rounds resampled, 2000 draws)."""
     import random
 
     def ratios(picks: list[int]) -> tuple[float, float]:
         mean = {n: statistics.fmean(v[i] for i in picks) for n, v in runs.items()}
-        return mean["auto"] / mean["plain"], mean["auto"] / max(mean[n] for n in fixed)
+        return mean[auto] / mean["plain"], mean[auto] / max(mean[n] for n in fixed)
 
     rng = random.Random(0)
     boots = [ratios([rng.randrange(rounds) for _ in range(rounds)]) for _ in range(2000)]

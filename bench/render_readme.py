@@ -549,23 +549,35 @@ def auto_fresh_policy(r: dict) -> list[str]:
             f"a fresh policy, in one process** (`python bench/auto.py --fresh-policy`; demo pair, "
             f"{s['dtype']}, one prompt x {s['max_tokens']} tokens, {s['rounds']} rounds of every "
             "contender in shuffled order, the policy cleared before each auto generation")
+    file = "file" in r["cells"][0]
+    if file:
+        what += ("; \"auto, file\": a new process's policy (nothing in memory) that reads the "
+                 "policy file a previous one wrote and then writes it")
     lines = [
         f"**k=\"auto\" with {what}; tokens/s from the call to the last token, means; "
         f"{m['device']}, BLAS: {m['blas']}; [json](results/{name}.json), "
         f"[plot](results/{name}.png)). In brackets: 95% bootstrap intervals.",
         "",
         "| draft, T | " + " | ".join(names) + " | auto / plain | auto / best fixed k | "
-        "auto drafted (median tokens) |",
-        "| --- | " + "--- | " * (len(names) + 3),
+        "auto drafted (median tokens) |"
+        + (" auto, file / plain | auto, file / best fixed k | auto, file drafted |" if file
+           else ""),
+        "| --- | " + "--- | " * (len(names) + 3 + 3 * file),
     ]
     for c in r["cells"]:
         cells = [f"{c['tok_s'][n]:.0f} ({c['vs_plain'][n]:.2f}x)" for n in names]
         lo, hi = c["auto_vs_plain_95"]
         blo, bhi = c["auto_vs_best_fixed_95"]
-        lines.append(f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells)
-                     + f" | {c['auto_vs_plain']:.3f} [{lo:.3f}, {hi:.3f}] | "
-                     f"{c['auto_vs_best_fixed']:.3f} [{blo:.3f}, {bhi:.3f}] ({c['best_fixed']}) | "
-                     f"{c['auto_drafted_median']:g} |")
+        line = (f"| {c['cell']}, {c['temp']:g} | " + " | ".join(cells)
+                + f" | {c['auto_vs_plain']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                f"{c['auto_vs_best_fixed']:.3f} [{blo:.3f}, {bhi:.3f}] ({c['best_fixed']}) | "
+                f"{c['auto_drafted_median']:g} |")
+        if file:
+            f = c["file"]
+            (lo, hi), (blo, bhi) = f["vs_plain_95"], f["vs_best_fixed_95"]
+            line += (f" {f['vs_plain']:.3f} [{lo:.3f}, {hi:.3f}] | {f['vs_best_fixed']:.3f} "
+                     f"[{blo:.3f}, {bhi:.3f}] | {f['drafted_median']:g} |")
+        lines.append(line)
     return lines
 
 

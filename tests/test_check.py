@@ -96,6 +96,14 @@ def test_fixtures_with_several_drafts(checkpoints, pair, report_file, tmp_path, 
     for k in ("1", "2", "4", "8"):
         assert costs["round_seconds"][k] == pytest.approx(per_k[k]["round_ms"] / 1000)
         assert costs["timed"][k] == per_k[k]["rounds"] > 0
+        # a k timed over a full window: its ratio to a plain round, which a new process's first
+        # timings of it are judged against (`_drafting_cost`)
+        if per_k[k]["rounds"] >= policy.RECENT:
+            assert costs["hope"][k] == pytest.approx(costs["round_seconds"][k]
+                                                     / costs["round_seconds"]["0"])
+        else:
+            assert k not in costs["hope"]
+    assert costs["hope"]  # the quick check times some k over a full window
     greedy = model_entry["regimes"]["[0.0, 1.0, 0, 0.0]"]
     assert greedy["accepted"][0] == sum(per_k[k]["position_accepted"][0] for k in per_k)
     assert len(model_entry["regimes"]) == 2  # greedy and the check's top-p 0.9

@@ -472,6 +472,44 @@ def test_costs_loaded_from_the_file_give_way_to_this_processs_timings():
     assert policy.round_cost(2) == pytest.approx(2.9)  # then the median of its timings here
 
 
+def test_a_ratio_measured_over_a_run_bounds_a_ks_first_timings_from_above():
+    """A k's first rounds after a switch are its dearest (the draft cold after plain rounds, no
+    step ahead after a rejection): judged on three of them, a fresh process found k = 1 at 1.9x
+    a plain round where a run costs 1.4-1.5x, and decoded the rest plainly. R(k) is held at most
+    at R(0) times the ratio a full window of k's rounds measured (`RoundCosts.hope`: this
+    process's, or the policy file's) until this process's own timings fill a window; never
+    raised by it (a file that says drafting is dearer must not keep a process plain); saved
+    only from a full window (a process that timed k three times does not overwrite it)."""
+    from tinydraft_mlx.engine.policy import RECENT, RoundCosts
+
+    def loaded(hope: float) -> DraftLengthPolicy:
+        costs = RoundCosts()
+        costs.load({"round_seconds": {"0": 1.0, "1": 1.4}, "timed": {"0": 50, "1": 50},
+                    "switch_fit": [0.0] * 5, "switches": 0, "hope": {"1": hope}})
+        policy = DraftLengthPolicy(4, draft_ratio=0.25, costs=costs)
+        for _ in range(3):  # a stretch times R(0) here: 2.0 (this process is slower)
+            policy.update(0, 0, 2.0)
+        policy.end_stretch()
+        assert policy.round_cost(0) == pytest.approx(2.0)
+        return policy
+
+    policy = loaded(1.4)
+    for _ in range(3):  # k = 1's first rounds here, cold: 1.9x R(0)
+        policy.update(1, 1, 3.8)
+    assert policy.round_cost(1) == pytest.approx(2.8)  # 1.4 R(0), not 3.8
+    assert RoundCosts.hopes(policy.costs) == {1: 1.4}  # three timings do not overwrite it
+    policy.accepted[0], policy.rejected[0] = 13.0, 7.0  # acceptance 0.65: k = 1 pays at 1.4
+    policy.behind = 0  # (at 1.9, E(1) = 1.65 tokens for 1.9 plain rounds' time, it would not)
+    assert policy.choose(8) > 0
+    for _ in range(RECENT - 3):  # a full window here: its own median decides, and is saved
+        policy.update(1, 1, 3.6)
+    assert policy.round_cost(1) == pytest.approx(3.6)
+    assert policy.costs.to_json()["hope"] == {"1": pytest.approx(1.8)}
+    pessimistic = loaded(3.0)  # a file that says k = 1 costs 3x a plain round
+    pessimistic.update(1, 1, 2.6)
+    assert pessimistic.round_cost(1) == pytest.approx(2.6)  # this process's timing stands
+
+
 def test_a_loaded_large_k_does_not_let_a_fresh_process_jump_to_k_max():
     """The reach of an optimistic estimate is the largest k timed plus one: in this process
     once it has timed a drafting round, whatever larger k the file holds."""

@@ -82,7 +82,10 @@ def test_other_models_devices_and_dtypes_never_use_an_entry(pair, load, policy_f
     "ENTRY:" + json.dumps({"costs": {"round_seconds": {"0": -1.0}, "timed": {"0": 3},
                                      "switch_fit": [0.0] * 5, "switches": 0}, "regimes": {}}),
     "ENTRY:" + json.dumps({"costs": "nonsense", "regimes": {}}),
-], ids=["not-json", "not-ours", "other-version", "negative-cost", "bad-entry"])
+    "ENTRY:" + json.dumps({"costs": {"round_seconds": {"0": 1.0}, "timed": {"0": 3},
+                                     "switch_fit": [0.0] * 5, "switches": 0,
+                                     "hope": {"1": -1.5}}, "regimes": {}}),
+], ids=["not-json", "not-ours", "other-version", "negative-cost", "bad-entry", "negative-hope"])
 def test_a_corrupt_or_foreign_file_is_ignored_and_replaced(pair, policy_file, monkeypatch,
                                                            caplog, content):
     target, draft, tok = pair

@@ -146,7 +146,11 @@ starts from what the last processes on this machine, device and dtype saved for 
 what it learns when a generation ends (at most every SAVE_EVERY seconds). Loaded costs are a
 start only: each k's first timing in this process replaces its loaded cost, and a k not timed
 here yet is estimated from what has been (`round_cost`), since the file's costs were measured
-under another process's load.
+under another process's load. What does carry over is a ratio: R(k) / R(0) measured over a full
+window of k's rounds (`RoundCosts.hope`; saved only from such a window, by a process or by
+`python -m tinydraft_mlx.check`), which bounds k's cost from above while this process has fewer
+timings of it (`_drafting_cost`): a k's first rounds after a switch are its dearest, and a
+fresh process's three timings of k = 1 otherwise decided its generation.
 """
 
 from __future__ import annotations
@@ -220,6 +224,10 @@ class RoundCosts:
         self.best_ratio: dict[int, float] = {}
         self.rounds = 0  # rounds booked in this process
         self.last_timed: dict[int, int] = {}  # per k, `rounds` when it was last timed here
+        # per drafting k, R(k) / R(0) as the latest full window of RECENT timings measured it,
+        # here or in an earlier process (the policy file): what k's first few timings (in this
+        # process, or after its timings went stale) are judged against (`_drafting_cost`)
+        self.hope: dict[int, float] = {}
 
     def stale(self, k: int) -> bool:
         """Whether k's timings here are older than STALE_ROUNDS rounds (never timed: not
@@ -254,7 +262,15 @@ class RoundCosts:
     def to_json(self) -> dict[str, Any]:
         return {"round_seconds": {str(k): v for k, v in self.round_seconds.items()},
                 "timed": {str(k): n for k, n in self.timed.items()},
-                "switch_fit": self.switch_fit, "switches": self.switches}
+                "switch_fit": self.switch_fit, "switches": self.switches,
+                "hope": {str(k): v for k, v in self.hopes().items()}}
+
+    def hopes(self) -> dict[int, float]:
+        """Each drafting k's R(k) / R(0) to save (`hope`): the latest a full window of k's
+        rounds measured, here or (none here) in an earlier process. A process that timed k a
+        few times only (a fresh process's first rounds after a switch, 15-25% dearer than a run's
+        on the demo pair) does not overwrite a measured ratio with its own."""
+        return dict(self.hope)
 
     def load(self, data: dict[str, Any]) -> None:
         """Start from saved costs (ValueError/TypeError/KeyError if they are not ours)."""
@@ -269,6 +285,10 @@ class RoundCosts:
             raise ValueError("switch_fit must be 5 sums")
         self.switch_fit = fit
         self.switches = int(data["switches"])
+        hope = {int(k): float(v) for k, v in data.get("hope", {}).items()}
+        if any(k < 1 or not v > 0 for k, v in hope.items()):
+            raise ValueError("hopes are ratios of drafting rounds to plain ones")
+        self.hope.update(hope)
 
     def merge(self, loaded: RoundCosts) -> None:
         """Take costs `loaded` from the policy file where this process has measured none: each
@@ -279,6 +299,8 @@ class RoundCosts:
                 self.timed[k] = loaded.timed[k]
         if not self.switches:
             self.switch_fit, self.switches = list(loaded.switch_fit), loaded.switches
+        for k, ratio in loaded.hope.items():
+            self.hope.setdefault(k, ratio)
 
 
 class DraftLengthPolicy:
@@ -812,7 +834,7 @@ class DraftLengthPolicy:
                 recent.clear()
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
-            self.round_seconds[k] = statistics.median(recent)
+            self.round_seconds[k] = self._drafting_cost(k)
             self._note_ratio(k)
             return
         # plain rounds (booked as a stretch's median, many rounds each): a running mean at first,
@@ -826,7 +848,30 @@ class DraftLengthPolicy:
             # look could hope for, and kept a fresh process plain for the rest of its generation
             # once R(0) had followed the machine back (R(1) at 2x, measured twice in the loop)
             for j in self.costs.here - {0}:
+                self.round_seconds[j] = self._drafting_cost(j)
                 self._note_ratio(j)
+
+    def _drafting_cost(self, k: int) -> float:
+        """R(k) from k's timings here: their median, or while they are fewer than RECENT (a
+        new process's, or after they went stale), at most R(0) times the ratio the latest full
+        window measured (`RoundCosts.hope`, here or in the policy file). A k's first rounds
+        after a switch are its dearest (the draft cold after plain rounds, no step ahead after
+        a rejection: 15-25% above a run's on the demo pair, CPU), and a fresh process judged
+        k = 1 on three of them: 1.9x a plain round where a run of it costs 1.4-1.5x; with the
+        policy file (whose cost the first timing replaced) 16 of 32 fresh processes then
+        decoded most of their 128 tokens plainly where k = 1 paid, 3 of 32 with this bound.
+        Only ever lower: a file that says drafting is dearer than this process finds never
+        keeps it plain (a process that does not draft never times a drafting round), and one
+        that says cheaper costs at most RECENT rounds before this process's own median
+        decides."""
+        recent, costs = self.costs.recent[k], self.costs
+        cost = statistics.median(recent)
+        plain = self.round_seconds.get(0, 0.0) if 0 in costs.here else 0.0
+        if plain > 0 and len(recent) >= RECENT:
+            costs.hope[k] = cost / plain  # a full window: the ratio to hope for next time
+        elif plain > 0 and k in costs.hope:
+            cost = min(cost, costs.hope[k] * plain)
+        return cost
 
     def _note_ratio(self, k: int) -> None:
         """Keep R(k) / R(0) now if it is the lowest measured here (`RoundCosts.best_ratio`;
@@ -988,6 +1033,10 @@ def record_rounds(target: object, draft: object, regime: Hashable,
         if seconds > 0 and timed > 0:
             policy.round_seconds[k] = seconds
             policy.timed[k] += timed
+    plain = rounds.get(0, (0.0, 0))
+    for k, (seconds, timed) in rounds.items():
+        if k > 0 and seconds > 0 and timed >= RECENT and plain[0] > 0 and plain[1] > 0:
+            policy.costs.hope[k] = seconds / plain[0]  # a run's ratio (`_drafting_cost`)
     for i in range(min(policy.k_max, len(accepted), len(reached))):
         policy.accepted[i] += accepted[i]
         policy.rejected[i] += max(0.0, reached[i] - accepted[i])
