@@ -226,7 +226,9 @@ class RoundCosts:
         self.last_timed: dict[int, int] = {}  # per k, `rounds` when it was last timed here
         # per drafting k, R(k) / R(0) as the latest full window of RECENT timings measured it,
         # here or in an earlier process (the policy file): what k's first few timings (in this
-        # process, or after its timings went stale) are judged against (`_drafting_cost`)
+        # process, or after its timings went stale) are judged against (`_drafting_cost`). A
+        # process that timed k a few times only (a fresh process's first rounds after a switch,
+        # 15-25% dearer than a run's on the demo pair) does not overwrite it with their ratio
         self.hope: dict[int, float] = {}
 
     def stale(self, k: int) -> bool:
@@ -263,14 +265,7 @@ class RoundCosts:
         return {"round_seconds": {str(k): v for k, v in self.round_seconds.items()},
                 "timed": {str(k): n for k, n in self.timed.items()},
                 "switch_fit": self.switch_fit, "switches": self.switches,
-                "hope": {str(k): v for k, v in self.hopes().items()}}
-
-    def hopes(self) -> dict[int, float]:
-        """Each drafting k's R(k) / R(0) to save (`hope`): the latest a full window of k's
-        rounds measured, here or (none here) in an earlier process. A process that timed k a
-        few times only (a fresh process's first rounds after a switch, 15-25% dearer than a run's
-        on the demo pair) does not overwrite a measured ratio with its own."""
-        return dict(self.hope)
+                "hope": {str(k): v for k, v in self.hope.items()}}
 
     def load(self, data: dict[str, Any]) -> None:
         """Start from saved costs (ValueError/TypeError/KeyError if they are not ours)."""
