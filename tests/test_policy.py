@@ -499,7 +499,7 @@ def test_a_ratio_measured_over_a_run_bounds_a_ks_first_timings_from_above():
     assert policy.round_cost(1) == pytest.approx(2.8)  # 1.4 R(0), not 3.8
     assert policy.costs.hope == {1: 1.4}  # three timings do not overwrite it
     policy.accepted[0], policy.rejected[0] = 13.0, 7.0  # acceptance 0.65: k = 1 pays at 1.4
-    policy.behind = 0  # (at 1.9, E(1) = 1.65 tokens for 1.9 plain rounds' time, it would not)
+    policy.behind = 0  # (at 1.9 plain wins on the means: E(1) = 1.65 tokens for 1.9 rounds)
     assert policy.choose(8) > 0
     for _ in range(RECENT - 3):  # a full window here: its own median decides, and is saved
         policy.update(1, 1, 3.6)
