@@ -335,7 +335,7 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
         """What a new process has: no pair in memory, no fingerprint computed, the policy file
         (or none)."""
         os.environ["TINYDRAFT_POLICY_FILE"] = file
-        policy_module._SHARED.clear()
+        cold()
         policy_store._FINGERPRINTS.clear()
     cells = []
     # per prompt: its greedy text, which an oracle draft ("alpha A") follows (once for every cell)
@@ -366,10 +366,10 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False) -> None:
             order = names[:]
             random.Random(r).shuffle(order)
             for name in order:
-                if not warm:
+                if name == FILE:  # a new process that reads (and then writes) the file
+                    new_process(file)
+                elif not warm:
                     cold()
-                    if name == FILE:  # a new process that reads (and then writes) the file
-                        new_process(file)
                 k = ("auto" if name.startswith("auto") else 1 if name == "plain" else
                      int(name[2:]))
                 start = time.perf_counter()

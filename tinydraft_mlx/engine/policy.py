@@ -1024,14 +1024,13 @@ def record_rounds(target: object, draft: object, regime: Hashable,
     timed, per draft position at `regime` the accepted / reached counts; then save the pair's
     policy file entry, so that the next process starts from them."""
     policy = shared_policy(target, draft, 0.25, regime)
+    plain, plain_timed = rounds.get(0, (0.0, 0))
     for k, (seconds, timed) in rounds.items():
         if seconds > 0 and timed > 0:
             policy.round_seconds[k] = seconds
             policy.timed[k] += timed
-    plain = rounds.get(0, (0.0, 0))
-    for k, (seconds, timed) in rounds.items():
-        if k > 0 and seconds > 0 and timed >= RECENT and plain[0] > 0 and plain[1] > 0:
-            policy.costs.hope[k] = seconds / plain[0]  # a run's ratio (`_drafting_cost`)
+            if k > 0 and timed >= RECENT and plain > 0 and plain_timed > 0:
+                policy.costs.hope[k] = seconds / plain  # a run's ratio (`_drafting_cost`)
     for i in range(min(policy.k_max, len(accepted), len(reached))):
         policy.accepted[i] += accepted[i]
         policy.rejected[i] += max(0.0, reached[i] - accepted[i])
