@@ -748,11 +748,12 @@ class Looking:
 
 
 def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int = 0, *,
-                       generations: int = 0, tokens: int = 128, catch_up: float = 0.5,
+                       generations: int = 0, tokens: int = 128, catch_up=0.5,
                        budget: bool = True, seed: int = 0) -> Looking:
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
     after plain rounds first catches the draft up (priced `catch_up` s, booked as its 16
-    positions' predictions), then chooses again, `caught_up`; every prediction and every draft
+    positions' predictions; a function of the plain rounds it missed, or a constant), then
+    chooses again, `caught_up`; every prediction and every draft
     position is accepted with probability `alpha`. `cost(r, k)`: seconds of round r drafting k.
     Either `rounds` rounds of one endless generation, or `generations` generations of `tokens`
     tokens each (each starts as `shared_policy` starts one, and a round may emit the tokens
@@ -774,7 +775,7 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
             k, looked = policy.choose(limit), 0.0
             if k > 0 and policy.behind > 0:
                 run.looked.append(r)
-                looked = catch_up
+                looked = catch_up(policy.behind) if callable(catch_up) else catch_up
                 policy.observe([float(rng.random() < now) for _ in range(CATCH_UP_EVIDENCE)])
                 k = policy.choose(limit, caught_up=True)
             n = 0
@@ -910,3 +911,40 @@ def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, mon
             assert all(0 <= y - x < hold for x, y in zip(a.looked, b.looked))
     if alpha == 0.0:
         assert full[hold] < sum(len(run.ks) for run in held) / 3 < full[1], full
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_generations(seed):
+    """A warm process (generations of 128 tokens, the loop looks before it leaps) whose pair
+    timed its first k = 1 rounds at 1.5x their cost (a pair's first rounds on the demo pair,
+    CPU: 2.1x a plain round where a run costs 1.6x): R(1) = 2.25 plain rounds, and at an
+    acceptance of 0.9 (1.9 tokens a round) plain decoding wins on it, where k = 1 really pays
+    1.27x (a round costs 1.5; k = 2 costs 2.7 and pays less). The look that would time it
+    afresh was never taken: it judges a stale k at the lowest ratio measured for it, the same
+    bad timings, and the probe budget, restarted every generation, never caught up with the
+    look's catch-up, which grows with the plain stretch (here 1 + 0.03 plain rounds a round
+    behind, faster than 2% of a plain round): every later generation decoded all its tokens
+    plainly. Now the budget runs on across generations, and a budgeted probe whose look finds
+    the first position promising drafts the stale k EXPLORE_TIMES times, so it is timed
+    afresh."""
+    costs = {0: 1.0, 1: 1.5, 2: 2.7, 3: 3.9, 4: 5.1}
+    spoiled = [1.5]
+    policy = DraftLengthPolicy(4)
+    policy.accepted[0], policy.rejected[0] = 2.0, 2.0
+
+    def cost(r: int, k: int) -> float:
+        return costs[k] * (spoiled[0] if k else 1.0)
+
+    def catch_up(behind: int) -> float:
+        return 1.0 + 0.03 * behind
+
+    looking_simulation(policy, 0.9, cost, generations=1, tokens=128, seed=seed,
+                       catch_up=catch_up)
+    assert policy.round_seconds[1] == pytest.approx(2.25)  # the bad timings stand
+    spoiled[0] = 1.0
+    later = looking_simulation(policy, 0.9, cost, generations=6, tokens=128, seed=seed + 1,
+                               catch_up=catch_up)
+    assert policy.round_seconds[1] == pytest.approx(1.5)  # timed afresh
+    assert sum(k > 0 for k in later.ks) >= 0.5 * len(later.ks), Counter(later.ks)
+    # what the best fixed k (k = 1, 1.9 tokens a round at 1.5) would do, within 10%
+    assert later.tokens / later.seconds >= 0.9 * 1.9 / 1.5, later.tokens / later.seconds

@@ -88,16 +88,20 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   prompt are often the hardest) that happens now and then; with much evidence against, almost
   never.
 - a probe once its expected loss fits in `probe_budget` (2%) of the time spent in plain rounds
-  since the last probe, so that a later easy stretch (or a cost estimate spoiled by a noisy
-  round) is not missed however much evidence there is. The loss counts the draft's catch-up on
-  the plain rounds it missed: a prefill of those tokens, fitted as a fixed part plus a part per
-  token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every switch
-  underrated long stretches' probes by 2x), through a prior point at a plain round's cost for a
-  catch-up on almost nothing (switches timed at one stretch length alone, as a policy file's
+  since the last probe (across generations: restarted every generation, it never paid for a look
+  whose catch-up grows with the stretch), so that a later easy stretch (or a cost estimate spoiled
+  by a noisy round) is not missed however much evidence there is. Where the loop looks first and a
+  drafting k's cost is stale, the probe re-times it: EXPLORE_TIMES rounds of it where the look
+  finds the first position promising (a pair's first rounds, timed at 2.1x a plain round where a
+  run costs 1.6x, otherwise kept a warm process plain at acceptance 0.9). The loss counts the
+  draft's catch-up on the plain rounds it missed: a prefill of those tokens, fitted as a fixed part
+  plus a part per token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every
+  switch underrated long stretches' probes by 2x), through a prior point at a plain round's cost
+  for a catch-up on almost nothing (switches timed at one stretch length alone, as a policy file's
   often are, cannot tell the two parts apart); a look's price includes its evidence (the draft's
   head on its last rows, sampled: the warps of both sides). Where the loop looks first (below) a
-  probe risks its catch-up whatever the draft is worth, so the budget is spent at the rate of
-  the chance that the look finds the draft worth exploring (`_probe_share`: the first position's
+  probe risks its catch-up whatever the draft is worth, so the budget is spent at the rate of the
+  chance that the look finds the draft worth exploring (`_probe_share`: the first position's
   posterior probability of an acceptance >= EXPLORE_MIN): a draft the last look found always
   rejected is probed again as its evidence fades (PLAIN_DECAY), not after every ~50 plain rounds.
 And where the loop looks first, a generation's first stretch of plain rounds looks at its text
@@ -340,6 +344,10 @@ class DraftLengthPolicy:
         self._ks: list[int] = []  # its k, sorted
         self._memo: dict[int, float] = {}
         self.held = 0  # further plain rounds the latest plain choice stands for (`choose`)
+        # a budgeted probe that found a stale k's cost: the drafting rounds it still owes that k
+        # (`retime_k`) so that its cost is timed afresh (`_choose`)
+        self.retime = 0
+        self.retime_k = 0
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -427,12 +435,17 @@ class DraftLengthPolicy:
     # -- decisions -------------------------------------------------------------------------------
     def start_generation(self) -> None:
         """A generation starts: its draft is in step with its target (or starts empty: its first
-        catch-up fills it), its first plain stretch has not looked at its text yet (FIRST_LOOK),
-        no plain time has earned a probe and no plain choice holds."""
-        self.plain_seconds = 0.0
+        catch-up fills it), its first plain stretch has not looked at its text yet (FIRST_LOOK)
+        and no plain choice holds. The probe budget (`plain_seconds`, the plain time since the
+        last probe) runs on: restarted every generation, it never paid for a look in a warm
+        process whose drafting cost had been timed in a bad moment, since within a plain
+        stretch the look's catch-up grows by more a round (~0.05 ms on the demo pair, CPU) than
+        `probe_budget` of a plain round (~0.04 ms), and such a pair decoded generation after
+        generation plainly at an acceptance of 0.9 (docs/design.md)."""
         self.look_due = True
         self.behind = 0
         self.held = 0
+        self.retime = 0
 
     def choose(self, limit: int, caught_up: bool = False) -> int:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
@@ -511,6 +524,10 @@ class DraftLengthPolicy:
         if rates[best] > plain_rate:
             self.plain_seconds = 0.0
             return best
+        if self.retime and (caught_up or self.behind == 0) and promising \
+                and self.retime_k <= limit:
+            return self.retime_k  # a budgeted probe re-times a stale k (below)
+        self.retime = 0
         switch = self._switch_price()
         measured = [k for k in rates if k <= max(self.timed)]
         # Thompson sampling where the draft is in step (it drafted last round, or has just caught
@@ -588,8 +605,18 @@ class DraftLengthPolicy:
         # fades (PLAIN_DECAY) that chance rises, so a probe still comes, later where the last
         # look found the draft hopeless (always rejected, fresh processes: a second look after
         # ~50 plain rounds cost 1.5% of a 128-token generation, and found nothing)
+        # Where the loop looks before it leaps and a drafting k's cost is stale (not timed for
+        # STALE_ROUNDS rounds), the probe also re-times that k: if the look finds the first
+        # position promising, EXPLORE_TIMES rounds draft it whatever its old cost says, as a new
+        # pair's first rounds time k = 1. A cost timed in a bad moment (a pair's first rounds,
+        # 2.1x a plain round where a run costs 1.6x) otherwise stood for good: a look judges a
+        # stale k at the lowest ratio measured for it (`_hoped_cost`), the same bad timings
         if room and self._budget_allows(self._probe_loss(best, alphas, switch)):
             self.plain_seconds = 0.0
+            stale = [k for k in measured if self.costs.stale(k)]
+            if stale and self.looks:
+                self.retime = EXPLORE_TIMES
+                self.retime_k = max(stale, key=lambda k: (rates[k], -k))
             return best
         return 0
 
@@ -694,6 +721,7 @@ class DraftLengthPolicy:
         generation), not a switch's price."""
         self.chosen[k] += 1
         self.costs.rounds += 1
+        self.retime = max(0, self.retime - 1) if k > 0 else 0
         if k > 0 or catch_up > 0:
             self.held = 0
         if catch_up > 0:
