@@ -948,3 +948,21 @@ def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_genera
     assert sum(k > 0 for k in later.ks) >= 0.5 * len(later.ks), Counter(later.ks)
     # what the best fixed k (k = 1, 1.9 tokens a round at 1.5) would do, within 10%
     assert later.tokens / later.seconds >= 0.9 * 1.9 / 1.5, later.tokens / later.seconds
+
+
+def test_a_look_before_a_generations_fill_is_priced_as_the_fill():
+    """Where the draft starts a generation empty (`empty`: the prompt tokens its first
+    catch-up will feed too), a look before that catch-up costs the fill, not a switch's
+    catch-up on the plain rounds alone (demo pair, CPU: fills of 3.3-7.6 ms where a switch was
+    priced 2.5-4): its price is at least the latest fill's time per token times the tokens it
+    will feed; the fill, booked, sets that time per token and leaves the draft fed."""
+    policy = _near_break_even(0.0, 8.0, 4)
+    policy.looks = True
+    switch = policy._switch_price()
+    policy.empty = 100
+    assert policy._switch_price() == switch  # no fill measured yet
+    policy.update(0, 0, 1.0, catch_up=5.2, filled=True)  # fed 100 + 4 tokens in 5.2 s
+    assert policy.costs.fill_per_token == pytest.approx(0.05) and policy.empty == 0
+    assert policy._switch_price() < 2.0  # fed: a switch's price again
+    policy.empty, policy.behind = 100, 10
+    assert policy._switch_price() == pytest.approx(0.05 * 110)

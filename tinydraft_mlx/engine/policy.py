@@ -234,6 +234,9 @@ class RoundCosts:
         # process that timed k a few times only (a fresh process's first rounds after a switch,
         # 15-25% dearer than a run's on the demo pair) does not overwrite it with their ratio
         self.hope: dict[int, float] = {}
+        # seconds per token of the latest fill (a generation's first catch-up, which feeds a
+        # draft that started empty the prompt too): what a look costs before it (`_switch_price`)
+        self.fill_per_token = 0.0
 
     def stale(self, k: int) -> bool:
         """Whether k's timings here are older than STALE_ROUNDS rounds (never timed: not
@@ -348,6 +351,9 @@ class DraftLengthPolicy:
         # (`retime_k`) so that its cost is timed afresh (`_choose`)
         self.retime = 0
         self.retime_k = 0
+        # tokens the draft lacks beyond the plain rounds it missed: the prompt, where the draft
+        # starts a generation empty (set per generation by the loop; 0 once a catch-up fed it)
+        self.empty = 0
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -485,8 +491,15 @@ class DraftLengthPolicy:
     def _switch_price(self) -> float:
         """Seconds a switch to drafting costs now: the draft's catch-up on the plain rounds it
         missed (`RoundCosts.switch_cost`), its fit anchored at a plain round's cost for a
-        catch-up on almost nothing (the price before any switch was timed)."""
-        return self.costs.switch_cost(self.behind, anchor=self.round_seconds[0])
+        catch-up on almost nothing (the price before any switch was timed); where the draft
+        started this generation empty and has not been fed yet, at least the fill that catch-up
+        is (the prompt too, at the latest fill's time per token): priced as a switch, a look at
+        a new generation's start cost 1.5-2x what a budgeted probe paid for (demo pair, CPU:
+        fills of 3.3-7.6 ms, an always-rejected draft)."""
+        price = self.costs.switch_cost(self.behind, anchor=self.round_seconds[0])
+        if self.empty:
+            price = max(price, self.costs.fill_per_token * (self.empty + self.behind))
+        return price
 
     def _choose(self, limit: int, caught_up: bool) -> int:
         remaining = limit  # tokens the generation may still emit after this one
@@ -726,6 +739,9 @@ class DraftLengthPolicy:
             self.held = 0
         if catch_up > 0:
             self.look_due = False
+            if filled and self.empty + self.behind > 0:  # what a look costs before a fill
+                self.costs.fill_per_token = catch_up / (self.empty + self.behind)
+            self.empty = 0
             if not filled:
                 self.costs.book_switch(self.behind, catch_up)
             self.behind = 0  # the draft has caught up (a round may still end up plain)

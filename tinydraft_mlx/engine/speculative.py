@@ -362,6 +362,7 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
                                  sampling_regime(g.sampling), settled=not g.fills)
         g.policy.looks = g.looks
+        g.policy.empty = len(g.seq) - 1 if g.fills else 0  # what its first catch-up will feed
         g.looks = g.looks and g.policy.looks  # (a stand-in policy may decline)
         g.stats.policy = g.policy
 
