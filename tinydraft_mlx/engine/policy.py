@@ -445,7 +445,7 @@ class DraftLengthPolicy:
         and no plain choice holds. The probe budget (`plain_seconds`, the plain time since the
         last probe) runs on: restarted every generation, it never paid for a look in a warm
         process whose drafting cost had been timed in a bad moment, since within a plain
-        stretch the look's catch-up grows by more a round (~0.05 ms on the demo pair, CPU) than
+        stretch the look's catch-up grows by more per round (~0.05 ms on the demo pair, CPU) than
         `probe_budget` of a plain round (~0.04 ms), and such a pair decoded generation after
         generation plainly at an acceptance of 0.9 (docs/design.md)."""
         self.look_due = True
