@@ -369,6 +369,27 @@ def test_auto_starts_the_draft_empty_and_fills_it_when_first_needed(pair, refere
     assert first.id == ref[0] and cache_length(dc) >= len(ids) - 1
 
 
+def test_auto_tells_its_policy_what_the_drafts_first_catch_up_will_feed(pair, reference,
+                                                                         monkeypatch):
+    """Where the draft starts a generation empty, its first catch-up feeds it the prompt too:
+    the policy prices a look before it as that fill (`DraftLengthPolicy.empty`, the tokens beyond
+    the plain rounds), less what a prompt cache's draft cache already holds."""
+    from tinydraft_mlx.engine import policy as policy_module
+    from tinydraft_mlx.engine.forward import prefill
+
+    target, draft, _ = pair
+    ids, _ = reference
+    monkeypatch.setattr(policy_module, "_SHARED", {})
+    seen = []
+    for held in (0, 5):
+        dc = make_cache(draft)
+        if held:
+            prefill(draft, dc, ids[:held])
+        first = next(iter(decode(target, draft, ids, k="auto", max_tokens=4, draft_cache=dc)))
+        seen.append(first.stats.policy.empty)
+    assert seen == [len(ids) - 1, len(ids) - 1 - 5], seen
+
+
 def test_a_lookup_round_that_finds_nothing_is_a_plain_step(pair, reference, monkeypatch):
     """Prompt lookup with no earlier occurrence of the suffix proposes nothing: that round is a
     plain step, booked as a plain round whose time (an unpipelined step) is not taken as the cost

@@ -362,7 +362,9 @@ def _prefill(g: _Generation, draft_cache: Cache | None, k: int | str,
         g.policy = shared_policy(g.target, g.drafter.policy_key, min(1.0, max(0.0, ratio)),
                                  sampling_regime(g.sampling), settled=not g.fills)
         g.policy.looks = g.looks
-        g.policy.empty = len(g.seq) - 1 if g.fills else 0  # what its first catch-up will feed
+        # what its first catch-up will feed beyond the plain rounds (a prompt cache's draft
+        # cache may hold part of the prompt already)
+        g.policy.empty = len(g.seq) - 1 - cache_length(g.draft_cache) if g.fills else 0
         g.looks = g.looks and g.policy.looks  # (a stand-in policy may decline)
         g.stats.policy = g.policy
 
