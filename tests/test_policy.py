@@ -751,10 +751,10 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
                        generations: int = 0, tokens: int = 128, catch_up=0.5,
                        budget: bool = True, seed: int = 0) -> Looking:
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
-    after plain rounds first catches the draft up (priced `catch_up` s, booked as its 16
-    positions' predictions; a function of the plain rounds it missed, or a constant), then
-    chooses again, `caught_up`; every prediction and every draft
-    position is accepted with probability `alpha`. `cost(r, k)`: seconds of round r drafting k.
+    after plain rounds first catches the draft up (priced `catch_up` s, a constant or a function
+    of the plain rounds it missed; booked as its 16 positions' predictions), then chooses again,
+    `caught_up`; every prediction and every draft position is accepted with probability `alpha`.
+    `cost(r, k)`: seconds of round r drafting k.
     Either `rounds` rounds of one endless generation, or `generations` generations of `tokens`
     tokens each (each starts as `shared_policy` starts one, and a round may emit the tokens
     left). `budget=False`: no budgeted probe (its budget is spent every round). `alpha` may be
