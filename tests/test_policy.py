@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tinydraft_mlx.engine.policy import DraftLengthPolicy
+from tinydraft_mlx.engine.policy import FIRST_LOOK, DraftLengthPolicy
 
 
 def simulate(policy, alpha_at, cost, rounds, seed=0):
@@ -749,16 +749,19 @@ class Looking:
 
 def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int = 0, *,
                        generations: int = 0, tokens: int = 128, catch_up=0.5,
-                       budget: bool = True, seed: int = 0) -> Looking:
+                       budget: bool = True, seed: int = 0, prompt: int = 0) -> Looking:
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
     after plain rounds first catches the draft up (priced `catch_up` s, a constant or a function
-    of the plain rounds it missed; booked as its 16 positions' predictions), then chooses again,
+    of the tokens it feeds; booked as its 16 positions' predictions), then chooses again,
     `caught_up`; every prediction and every draft position is accepted with probability `alpha`.
     `cost(r, k)`: seconds of round r drafting k.
     Either `rounds` rounds of one endless generation, or `generations` generations of `tokens`
     tokens each (each starts as `shared_policy` starts one, and a round may emit the tokens
     left). `budget=False`: no budgeted probe (its budget is spent every round). `alpha` may be
-    a function of the round: the text's acceptance then."""
+    a function of the round: the text's acceptance then. `prompt`: each generation's draft
+    starts empty, as the loop's does (`speculative._prefill`): its first round is plain without
+    a choice, and its first catch-up (a fill) feeds the prompt too, its predictions those of
+    the generated tokens only."""
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
 
     rng = random.Random(seed)
@@ -766,23 +769,28 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     run, r = Looking(), 0
     for _ in range(max(1, generations)):
         policy.start_generation()  # as `shared_policy` starts one
+        policy.empty = prompt
         emitted = 0
         while (emitted < tokens) if generations else (r < rounds):
             limit = tokens - 1 - emitted if generations else 1000
             if not budget:
                 policy.plain_seconds = 0.0
             now = alpha(r) if callable(alpha) else alpha
-            k, looked = policy.choose(limit), 0.0
-            if k > 0 and policy.behind > 0:
+            filled = bool(policy.empty)
+            k = 0 if filled and not emitted else policy.choose(limit)
+            looked = 0.0
+            if k > 0 and (policy.behind > 0 or filled):
                 run.looked.append(r)
-                looked = catch_up(policy.behind) if callable(catch_up) else catch_up
-                policy.observe([float(rng.random() < now) for _ in range(CATCH_UP_EVIDENCE)])
+                fed = policy.behind + policy.empty
+                looked = catch_up(fed) if callable(catch_up) else catch_up
+                seen = min(CATCH_UP_EVIDENCE, emitted) if filled else CATCH_UP_EVIDENCE
+                policy.observe([float(rng.random() < now) for _ in range(seen)])
                 k = policy.choose(limit, caught_up=True)
             n = 0
             while n < k and rng.random() < now:
                 n += 1
             seconds = cost(r, k)
-            policy.update(k, n, seconds, catch_up=looked)
+            policy.update(k, n, seconds, catch_up=looked, filled=filled and looked > 0)
             run.ks.append(k)
             run.seconds += seconds + looked
             emitted += n + 1
@@ -966,3 +974,57 @@ def test_a_look_before_a_generations_fill_is_priced_as_the_fill():
     assert policy._switch_price() < 2.0  # fed: a switch's price again
     policy.empty, policy.behind = 100, 10
     assert policy._switch_price() == pytest.approx(0.05 * 110)
+
+
+def _fill(fed: int) -> float:
+    """A catch-up's seconds for `fed` tokens: a fixed part and a part per token (demo pair,
+    CPU, in plain rounds of ~1.7 ms: a 20-token fill 1.9 rounds, a look after 68 plain
+    rounds 2.4)."""
+    return 1.2 + 0.02 * fed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_speculation_tried_by_a_new_pairs_first_look_restarts_the_probe_budget(seed):
+    """A draft always rejected, new to a process whose plain rounds are timed (a warm process's
+    second pair): its first look, which times k = 1 if the text says so, is speculation tried
+    like a probe's. It did not restart the probe budget, so the round after the look, which
+    found the draft hopeless, spent that budget on a whole drafting round (twelve looks in
+    twelve generations, each second one a round after the first); now only looks that the
+    budget or the evidence call for are taken (eight)."""
+    policy = DraftLengthPolicy(4)
+    cost = lambda r, k: 1.0 + 0.9 * k  # noqa: E731  (drafting never pays: always rejected)
+    looking_simulation(policy, 0.0, cost, generations=2, seed=seed, catch_up=_fill, prompt=20)
+    run = looking_simulation(policy, 0.0, cost, generations=12, seed=seed + 10,
+                             catch_up=_fill, prompt=20)
+    gaps = [b - a for a, b in zip(run.looked, run.looked[1:])]
+    assert min(gaps) > FIRST_LOOK, run.looked
+    assert run.looks <= 9, run.looked
+    assert set(run.ks) == {0}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_generation_whose_draft_starts_empty_looks_after_its_first_tokens_or_drafts(seed):
+    """The draft starts each generation empty (`empty`: its first catch-up, a fill, feeds the
+    prompt too) and the loop's first round is plain. A warm pair whose draft became always
+    rejected (after a generation at acceptance 0.7) spent the probe budget on the second
+    round of every generation: a fill whose evidence is one generated token, then in-step
+    draws on that thin evidence drafted rejected rounds. Now a look on an empty draft waits
+    for FIRST_LOOK plain rounds (the same fill, eight tokens of evidence) unless drafting pays
+    at the means: no generation looks in its first rounds and the process runs within 1% of
+    plain decoding (0.985 before). Where drafting pays (acceptance 0.9, k = 2 1.23x plain
+    decoding), every generation still drafts from its second round."""
+    cost = lambda r, k: 1.0 + 0.9 * k  # noqa: E731
+    policy = DraftLengthPolicy(4)
+    looking_simulation(policy, 0.7, cost, generations=2, seed=seed, catch_up=_fill, prompt=20)
+    for generation in range(12):
+        run = looking_simulation(policy, 0.0, cost, generations=1, seed=seed + generation,
+                                 catch_up=_fill, prompt=20)
+        assert not run.looked or run.looked[0] >= FIRST_LOOK, (generation, run.looked)
+        assert run.tokens / run.seconds >= 0.96, (generation, run.ks)  # one look at most
+    paying = DraftLengthPolicy(4)
+    cheaper = lambda r, k: 1.0 + 0.6 * k  # noqa: E731
+    looking_simulation(paying, 0.9, cheaper, generations=2, seed=seed, catch_up=_fill, prompt=20)
+    for generation in range(6):
+        run = looking_simulation(paying, 0.9, cheaper, generations=1, seed=seed + generation,
+                                 catch_up=_fill, prompt=20)
+        assert run.looked[0] == 1 and run.ks[1] > 0, (generation, run.ks[:8])

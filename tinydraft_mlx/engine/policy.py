@@ -88,12 +88,14 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   prompt are often the hardest) that happens now and then; with much evidence against, almost
   never.
 - a probe once its expected loss fits in `probe_budget` (2%) of the time spent in plain rounds
-  since the last probe (across generations: restarted every generation, it never paid for a look
-  whose catch-up grows with the stretch), so that a later easy stretch (or a cost estimate spoiled
-  by a noisy round) is not missed however much evidence there is. Where the loop looks first and a
-  drafting k's cost is stale, the probe re-times it: EXPLORE_TIMES rounds of it where the look
-  finds the first position promising (a pair's first rounds, timed at 2.1x a plain round where a
-  run costs 1.6x, otherwise kept a warm process plain at acceptance 0.9). The loss counts the
+  since speculation was last tried (by whatever chose a drafting round or a look: a new pair's
+  look that timed k = 1 left the budget to a whole drafting round the round after it; across
+  generations: restarted every generation, it never paid for a look whose catch-up grows with
+  the stretch), so that a later easy stretch (or a cost estimate spoiled by a noisy round) is not
+  missed however much evidence there is. Where the loop looks first and a drafting k's cost is
+  stale, the probe re-times it: EXPLORE_TIMES rounds of it where the look finds the first
+  position promising (a pair's first rounds, timed at 2.1x a plain round where a run costs 1.6x,
+  otherwise kept a warm process plain at acceptance 0.9). The loss counts the
   draft's catch-up on the plain rounds it missed: a prefill of those tokens, fitted as a fixed part
   plus a part per token (demo pair: 3.5 ms after 55 plain rounds, 4.5 after 65; one price for every
   switch underrated long stretches' probes by 2x), through a prior point at a plain round's cost
@@ -112,7 +114,10 @@ a policy that has (a warm process's) looks only where a look is worth it, as abo
 look nor a budgeted probe is taken in a generation's last `HORIZON` tokens: what they find would
 have nothing left to pay over. Where the loop looks first the draft model starts a generation
 empty (speculative.py) and that first look feeds it the prompt too; until then nothing of the
-draft runs, so a generation that never looks nor drafts costs what plain decoding does.
+draft runs, so a generation that never looks nor drafts costs what plain decoding does. Unless
+drafting pays at the means, nothing looks on an empty draft before FIRST_LOOK plain rounds: a look
+on its second round (a warm process's probe budget spent there) bought the fill and one token of
+evidence, where at FIRST_LOOK the same fill tells eight.
 
 A plain choice where the loop looks first stands for `HOLD_ROUNDS` rounds (`choose`, `_due`): what
 decides a plain stretch's rounds moves slowly (evidence fading by `PLAIN_DECAY` a round, R(0)
@@ -470,6 +475,10 @@ class DraftLengthPolicy:
             k = self._choose(limit, caught_up)
         finally:
             self._known = None
+        if k > 0:  # speculation tried, whatever chose it: the probe budget starts again (a new
+            # pair's look that would time k = 1, not counted as a probe, left the budget to a
+            # whole drafting round the round after it had found the draft hopeless)
+            self.plain_seconds = 0.0
         if k == 0 and not caught_up and self._looks_first():
             self.held = HOLD_ROUNDS - 1
             if self.look_due and self.behind < FIRST_LOOK:  # chosen afresh where it falls due
@@ -535,12 +544,17 @@ class DraftLengthPolicy:
             return 0
         best = max(rates, key=lambda k: (rates[k], -k))
         if rates[best] > plain_rate:
-            self.plain_seconds = 0.0
             return best
         if self.retime and (caught_up or self.behind == 0) and promising \
                 and self.retime_k <= limit:
             return self.retime_k  # a budgeted probe re-times a stale k (below)
         self.retime = 0
+        if self.empty and self.looks and self.behind < FIRST_LOOK:
+            # the draft starts this generation empty: a look now buys the fill (the prompt) and
+            # tells what the draft would have done on `behind` tokens only, where at FIRST_LOOK
+            # the same fill tells eight (a warm process's probe budget, spent on its second
+            # round, looked each generation at one token: an always-rejected draft, demo pair)
+            return 0
         switch = self._switch_price()
         measured = [k for k in rates if k <= max(self.timed)]
         # Thompson sampling where the draft is in step (it drafted last round, or has just caught
@@ -553,7 +567,6 @@ class DraftLengthPolicy:
         if measured and (self.behind == 0 or caught_up):
             pick, drawn_rate = self._drawn_best(measured)
             if HORIZON * (1.0 / drawn_rate - 1.0 / plain_rate) < switch:
-                self.plain_seconds = 0.0
                 return pick
         # just caught up, where a k's cost is stale (not timed for STALE_ROUNDS rounds): draft if
         # it pays at the lowest cost measured for it, so that it is timed afresh. Timings taken
@@ -563,7 +576,6 @@ class DraftLengthPolicy:
             hoped = {k: self.expected_tokens(alphas, k) / self._hoped_cost(k) for k in measured}
             pick = max(hoped, key=lambda k: (hoped[k], -k))
             if hoped[pick] > plain_rate:
-                self.plain_seconds = 0.0
                 return pick
         # too little evidence yet to give up on speculation: each process times k = 1 itself
         # (a file's costs measured under another process's load, drafting at 3x a plain round,
@@ -586,10 +598,8 @@ class DraftLengthPolicy:
         if self.look_due and self.looks and self.behind >= FIRST_LOOK and room and (
                 worth_a_look or not self.seen_text):
             self.look_due = False
-            self.plain_seconds = 0.0
             return best
         if worth_a_look:
-            self.plain_seconds = 0.0
             return max(measured, key=lambda k: (rates[k], -k))
         # Thompson sampling (module docstring) where the loop does not look first (a probe is then
         # a whole drafting round), over the k up to the largest timed one (the extrapolated cost
@@ -607,7 +617,6 @@ class DraftLengthPolicy:
             pick, drawn_rate = self._drawn_best(measured)
             if HORIZON * (1.0 / plain_rate - 1.0 / drawn_rate) > self._probe_loss(
                     pick, alphas, switch):
-                self.plain_seconds = 0.0
                 return pick
         # Plain decoding wins on the evidence. Probe `best` anyway once the plain rounds since the
         # last probe have earned it: its expected loss must fit in `probe_budget` of that time,
@@ -625,7 +634,6 @@ class DraftLengthPolicy:
         # 2.1x a plain round where a run costs 1.6x) otherwise stood for good: a look judges a
         # stale k at the lowest ratio measured for it (`_hoped_cost`), the same bad timings
         if room and self._budget_allows(self._probe_loss(best, alphas, switch)):
-            self.plain_seconds = 0.0
             stale = [k for k in measured if self.costs.stale(k)]
             if stale and self.looks:
                 self.retime = EXPLORE_TIMES
