@@ -14,8 +14,8 @@ Both sides are measured online, not assumed:
 - R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median: on a
   shared machine a round now and then takes 2-3x its usual time); timings older than `STALE_ROUNDS`
   rounds give way to k's next one, and a look (below) judges a k whose timings are that old at the
-  lowest R(k) / R(0) measured here (for a k timed before R(0), over R(0)'s first estimate, taken
-  on the plain rounds right after), so that it is timed afresh where that would pay (a busy moment's
+  lowest R(k) / R(0) measured here (for a k timed before R(0), over R(0)'s first estimate, taken on
+  the plain rounds right after), so that it is timed afresh where that would pay (a busy moment's
   timings of R(1) at 2x otherwise kept a warm process plain for good: plain rounds never re-time
   R(1), and each look judged drafting on the same stale cost). R(0) is a running mean over rounds of
   the medians of stretches of plain rounds without their first and last rounds, booked every
@@ -31,15 +31,18 @@ Both sides are measured online, not assumed:
   two largest measured drafting k, or with one only adds draft steps of R(0) * draft_ratio each
   (draft_ratio: the draft/target prefill time ratio), i.e. it is optimistic (extra verification
   assumed free) until measured, so a larger k that might pay gets tried once and then judged on its
-  measured cost. The policy never goes beyond the largest measured k plus one (timed in this
-  process, once it has timed one: a file's k = 5 let a fresh process try k = 8), so a bad
-  extrapolation costs one modest round, not a k_max-sized one, and k grows one step at a time.
-  Twice the largest plus one let a new pair try k = 3 right after its three k = 1 timings in most
-  fresh processes: a round at ~2x k = 1's cost, often partly rejected, slowing the round after it
-  (one process, fresh policies, the k + 1 reach against 2k + 1, 60 rounds each: real draft T = 0
-  1.016x [0.981, 1.052], T = 0.7 1.028x [0.996, 1.066], oracle draft at acceptance 0.9 1.034x
-  [0.995, 1.072]; again, 80 rounds: T = 0 1.019x [0.993, 1.048], T = 0.7 1.002x [0.957, 1.047];
-  rounds of k >= 3 a generation 1.9 -> 0.55 at T = 0, 5.8 -> 1.2 at acceptance 0.9).
+  measured cost (behind the target, where the loop looks first, only if that hope repays the
+  catch-up over LOOK_HORIZON tokens: an always-rejected draft whose k = 1 was never timed was
+  otherwise looked at each time its evidence faded). The policy never goes beyond the largest
+  measured k plus one (timed in this process, once it has timed one: a file's k = 5 let a fresh
+  process try k = 8), so a bad extrapolation costs one modest round, not a k_max-sized one, and k
+  grows one step at a time. Twice the largest plus one let a new pair try k = 3 right after its
+  three k = 1 timings in most fresh processes: a round at ~2x k = 1's cost, often partly rejected,
+  slowing the round after it (one process, fresh policies, the k + 1 reach against 2k + 1, 60 rounds
+  each: real draft T = 0 1.016x [0.981, 1.052], T = 0.7 1.028x [0.996, 1.066], oracle draft at
+  acceptance 0.9 1.034x [0.995, 1.072]; again, 80 rounds: T = 0 1.019x [0.993, 1.048], T = 0.7
+  1.002x [0.957, 1.047]; rounds of k >= 3 a generation 1.9 -> 0.55 at T = 0, 5.8 -> 1.2 at
+  acceptance 0.9).
 
 Where the loop looks before it leaps (below), a new pair's first rounds are plain: they measure R(0)
 (its first estimate is a stretch's second round, once a third shows it was not the last), the
@@ -543,8 +546,23 @@ class DraftLengthPolicy:
         if not rates:
             return 0
         best = max(rates, key=lambda k: (rates[k], -k))
-        if rates[best] > plain_rate:
-            return best
+        # behind the target (a look comes first), drafting at a cost extrapolated for a k not
+        # timed yet (optimistic: the draft's steps only) must also repay the catch-up over the
+        # tokens a look's finding holds for (LOOK_HORIZON, or the rest of the generation), else
+        # the best k timed decides: a draft always rejected, whose k = 1 no look ever let be
+        # timed, was otherwise looked at each time PLAIN_DECAY faded the evidence far enough for
+        # E(1) to beat R(0) * (1 + draft_ratio), about once a generation where the draft's
+        # prefill is a tenth of the target's; the probe budget and a look's worth
+        # (`_look_value`) decide such looks
+        pick = best
+        if best > max(self.timed) and not caught_up and (
+                self._looks_first() or (self.looks and self.empty > 0)) and min(
+                remaining, LOOK_HORIZON) * (1.0 / plain_rate - 1.0 / rates[best]) \
+                < self._switch_price():
+            pick = max((k for k in rates if k <= max(self.timed)),
+                       key=lambda k: (rates[k], -k), default=0)
+        if pick and rates[pick] > plain_rate:
+            return pick
         if self.retime and (caught_up or self.behind == 0) and promising \
                 and self.retime_k <= limit:
             return self.retime_k  # a budgeted probe re-times a stale k (below)
@@ -579,9 +597,13 @@ class DraftLengthPolicy:
                 return pick
         # too little evidence yet to give up on speculation: each process times k = 1 itself
         # (a file's costs measured under another process's load, drafting at 3x a plain round,
-        # kept every later process plain, and plain-only processes saved the stale costs again)
+        # kept every later process plain, and plain-only processes saved the stale costs again).
+        # Where the loop looks first and has looked at a text, once a look finds the first
+        # position promising (`caught_up`): behind the target this path took a look whenever
+        # PLAIN_DECAY faded the evidence of an always-rejected draft to a mean of EXPLORE_MIN
         untried = [k for k in EXPLORE_KS if k <= limit and self._timed_here(k) < EXPLORE_TIMES]
-        if untried and promising:
+        if untried and promising and (
+                caught_up or not self._looks_first() or not self.seen_text):
             return untried[0]
         # where the loop looks before it leaps, a look is worth its catch-up when what it may find
         # is: `_look_value`. A generation's first plain stretch looks at its text once (module
