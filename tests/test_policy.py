@@ -749,7 +749,8 @@ class Looking:
 
 def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: int = 0, *,
                        generations: int = 0, tokens: int = 128, catch_up=0.5,
-                       budget: bool = True, seed: int = 0, prompt: int = 0) -> Looking:
+                       budget: bool = True, seed: int = 0, prompt: int = 0,
+                       ahead: bool = True) -> Looking:
     """Drive `policy` as the loop drives it where it looks before it leaps: a round that drafts
     after plain rounds first catches the draft up (priced `catch_up` s, a constant or a function
     of the tokens it feeds; booked as its 16 positions' predictions), then chooses again,
@@ -761,7 +762,8 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     a function of the round: the text's acceptance then. `prompt`: each generation's draft
     starts empty, as the loop's does (`speculative._prefill`): its first round is plain without
     a choice, and its first catch-up (a fill) feeds the prompt too, its predictions those of
-    the generated tokens only."""
+    the generated tokens only. `ahead`: as the loop's pipelined plain rounds, a plain round
+    (not a generation's first nor its last) chooses the next round's k before it is booked."""
     from tinydraft_mlx.engine.policy import CATCH_UP_EVIDENCE
 
     rng = random.Random(seed)
@@ -770,14 +772,17 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     for _ in range(max(1, generations)):
         policy.start_generation()  # as `shared_policy` starts one
         policy.empty = prompt
-        emitted = 0
+        emitted, chosen = 0, None
         while (emitted < tokens) if generations else (r < rounds):
             limit = tokens - 1 - emitted if generations else 1000
             if not budget:
                 policy.plain_seconds = 0.0
             now = alpha(r) if callable(alpha) else alpha
             filled = bool(policy.empty)
-            k = 0 if filled and not emitted else policy.choose(limit)
+            if chosen is not None:
+                k, chosen = chosen, None
+            else:
+                k = 0 if filled and not emitted else policy.choose(limit)
             looked = 0.0
             if k > 0 and (policy.behind > 0 or filled):
                 run.looked.append(r)
@@ -790,6 +795,8 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
             while n < k and rng.random() < now:
                 n += 1
             seconds = cost(r, k)
+            if ahead and k == 0 and 0 < emitted and (emitted < tokens - 1 or not generations):
+                chosen = policy.choose(limit - 1)  # the next round's, before this one is booked
             policy.update(k, n, seconds, catch_up=looked, filled=filled and looked > 0)
             run.ks.append(k)
             run.seconds += seconds + looked
@@ -833,9 +840,12 @@ def test_a_new_pair_that_looks_first_starts_plain_and_times_k1_after_its_first_l
     policy = DraftLengthPolicy(4)
     policy.accepted[0], policy.rejected[0] = 2.0, 2.0
     run = looking_simulation(policy, 0.7, lambda r, k: 1.0 + k / 2, generations=1, tokens=128)
-    assert run.ks[:FIRST_LOOK] == [0] * FIRST_LOOK, run.ks[:12]
-    assert run.looked[0] == FIRST_LOOK and run.ks[FIRST_LOOK] > 0, (run.looked, run.ks[:12])
-    assert all(k > 0 for k in run.ks[FIRST_LOOK : FIRST_LOOK + EXPLORE_TIMES]), run.ks[:16]
+    # the loop chooses the round after a pipelined plain one while that one is decoded (before
+    # it is booked): the look FIRST_LOOK plain rounds call for comes a round later
+    first = FIRST_LOOK + 1
+    assert run.ks[:first] == [0] * first, run.ks[:12]
+    assert run.looked[0] == first and run.ks[first] > 0, (run.looked, run.ks[:12])
+    assert all(k > 0 for k in run.ks[first : first + EXPLORE_TIMES]), run.ks[:16]
     assert sum(k > 0 for k in run.ks) >= 0.8 * len(run.ks), run.ks
 
 
@@ -921,8 +931,10 @@ def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, mon
         assert full[hold] < sum(len(run.ks) for run in held) / 3 < full[1], full
 
 
+@pytest.mark.parametrize("prompt", [0, 20])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_generations(seed):
+def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_generations(seed,
+                                                                                      prompt):
     """A warm process (generations of 128 tokens, the loop looks before it leaps) whose pair
     timed its first k = 1 rounds at 1.5x their cost (a pair's first rounds on the demo pair,
     CPU: 2.1x a plain round where a run costs 1.6x): R(1) = 2.25 plain rounds, and at an
@@ -947,11 +959,11 @@ def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_genera
         return 1.0 + 0.03 * behind
 
     looking_simulation(policy, 0.9, cost, generations=1, tokens=128, seed=seed,
-                       catch_up=catch_up)
+                       catch_up=catch_up, prompt=prompt)
     assert policy.round_seconds[1] == pytest.approx(2.25)  # the bad timings stand
     spoiled[0] = 1.0
     later = looking_simulation(policy, 0.9, cost, generations=6, tokens=128, seed=seed + 1,
-                               catch_up=catch_up)
+                               catch_up=catch_up, prompt=prompt)
     assert policy.round_seconds[1] == pytest.approx(1.5)  # timed afresh
     assert sum(k > 0 for k in later.ks) >= 0.5 * len(later.ks), Counter(later.ks)
     # what the best fixed k (k = 1, 1.9 tokens a round at 1.5) would do, within 10%

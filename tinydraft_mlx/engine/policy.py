@@ -764,7 +764,12 @@ class DraftLengthPolicy:
         generation), not a switch's price."""
         self.chosen[k] += 1
         self.costs.rounds += 1
-        self.retime = max(0, self.retime - 1) if k > 0 else 0
+        if k > 0:
+            self.retime = max(0, self.retime - 1)
+        elif catch_up > 0:  # the look a re-time waited for chose plain decoding. Not any plain
+            # round: the loop chooses the round after a pipelined plain one before booking it, so
+            # a probe chosen so was cleared by the plain round it was chosen in, before its look
+            self.retime = 0
         if k > 0 or catch_up > 0:
             self.held = 0
         if catch_up > 0:
