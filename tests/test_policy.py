@@ -1000,9 +1000,9 @@ def test_speculation_tried_by_a_new_pairs_first_look_restarts_the_probe_budget(s
     """A draft always rejected, new to a process whose plain rounds are timed (a warm process's
     second pair): its first look, which times k = 1 if the text says so, is speculation tried
     like a probe's. It did not restart the probe budget, so the round after the look, which
-    found the draft hopeless, spent that budget on a whole drafting round (twelve looks in
-    twelve generations, each second one a round after the first); now only looks that the
-    budget or the evidence call for are taken (eight)."""
+    found the draft hopeless, spent that budget on a whole drafting round: ten looks in twelve
+    generations, every second one two rounds after the one before (the loop chooses a round
+    ahead). Now only looks that the budget or the evidence call for are taken (six)."""
     policy = DraftLengthPolicy(4)
     cost = lambda r, k: 1.0 + 0.9 * k  # noqa: E731  (drafting never pays: always rejected)
     looking_simulation(policy, 0.0, cost, generations=2, seed=seed, catch_up=_fill, prompt=20)
@@ -1010,7 +1010,7 @@ def test_speculation_tried_by_a_new_pairs_first_look_restarts_the_probe_budget(s
                              catch_up=_fill, prompt=20)
     gaps = [b - a for a, b in zip(run.looked, run.looked[1:])]
     assert min(gaps) > FIRST_LOOK, run.looked
-    assert run.looks <= 9, run.looked
+    assert run.looks <= 7, run.looked
     assert set(run.ks) == {0}
 
 
@@ -1053,7 +1053,7 @@ def test_an_always_rejected_draft_is_looked_at_on_the_budget_not_on_every_fade(d
     evidence is thin. Behind the target, drafting at a hoped cost must now repay its catch-up
     over the tokens a look's finding holds for, and where the loop looks first an untimed k is
     explored once a look has found the first position promising: looks come from the probe
-    budget, and the process runs within 1% of plain decoding (0.981 and 0.987 before)."""
+    budget, and the process runs within 1% of plain decoding (0.980 and 0.985 before)."""
     cost = lambda r, k: 1.0 + 0.9 * k  # noqa: E731
     policy = DraftLengthPolicy(4, draft_ratio=draft_ratio)
     looking_simulation(policy, 0.0, cost, generations=2, catch_up=_fill, prompt=20)
