@@ -23,7 +23,10 @@ compares like with like. The always-rejected case replays a text no draft token 
 accepted, with a prompt that says so. Each text is replayed with a fresh policy (a new process,
 policy file off), and the texts one after another `--passes` times with one policy (a warm process,
 a server: the noise runs on across generations, so a burst during one can spoil the costs the next
-ones start from). Left out: sampling (acceptance is then a probability per token), plain rounds'
+ones start from). As in the loop, the draft starts each generation empty (its first catch-up, a
+fill, feeds the prompt too, priced as a catch-up on those tokens) and a pipelined plain round
+chooses the next round's k before it is booked. Left out: sampling (acceptance is then a
+probability per token), plain rounds'
 uneven times within a stretch (the loop's pipelining: the policy books a stretch's middle rounds),
 the policy's own host time (~1% of a plain round here) and traced steps.
 
@@ -68,7 +71,7 @@ def record(target, draft, tok, prompt: str, tokens: int, evidence: int) -> dict:
     prompt_agree = [float(t_next[j] == d_next[j]) for j in range(fed - evidence, fed)]
     matches = [int(d_next[len(ids) - 1 + i] == out[i]) for i in range(len(out))]
     return {"prompt": " ".join(prompt.split())[:32], "matches": matches,
-            "prompt_evidence": prompt_agree}
+            "prompt_evidence": prompt_agree, "prompt_tokens": len(ids)}
 
 
 def measure_costs(target, draft, tok, tokens: int) -> dict:
@@ -149,21 +152,30 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
             policy.observe_first(text["prompt_evidence"])
     else:
         policy = None
-    i, seconds, ks = 0, 0.0, []
+    # the draft starts empty (policies since 2026-12-04 know: `empty`), the first round is plain
+    # without a choice, and the first catch-up (a fill) feeds the prompt too
+    fills = policy is not None and hasattr(policy, "empty")
+    if fills:
+        policy.empty = text["prompt_tokens"] - 1
+    i, seconds, ks, chosen = 0, 0.0, [], None
     while i < n_tokens:
         limit = n_tokens - i - 1
         factor = noise[(first_round + len(ks)) % len(noise)]
-        catch_up = 0.0
+        catch_up, filled = 0.0, False
         if policy is None:
             k = min(fixed, limit)
         else:
-            k = policy.choose(limit)
-            behind = policy.behind  # plain rounds (one token each) the draft missed
-            if k > 0 and behind > 0:  # a look: catch up, book its evidence, choose again
-                catch_up = (costs["catch_up_fixed"] + costs["catch_up_per_token"] * behind
-                            ) * factor
-                seen = min(policy_module.CATCH_UP_EVIDENCE, behind)
-                policy.observe([float(m) for m in matches[i - seen:i]])
+            filled = fills and policy.empty > 0
+            if chosen is not None:  # chosen while the plain round before was decoded
+                k, chosen = chosen, None
+            else:
+                k = 0 if filled and i == 0 else policy.choose(limit)
+            fed = policy.behind + (policy.empty if filled else 0)  # tokens the draft lacks
+            if k > 0 and fed > 0:  # a look: catch up, book its evidence, choose again
+                catch_up = (costs["catch_up_fixed"] + costs["catch_up_per_token"] * fed) * factor
+                seen = min(policy_module.CATCH_UP_EVIDENCE, i if filled else policy.behind)
+                if seen:
+                    policy.observe([float(m) for m in matches[i - seen:i]])
                 try:
                     k = policy.choose(limit, caught_up=True)
                 except TypeError:  # a policy from before `caught_up`
@@ -173,7 +185,13 @@ def replay(policy_module, text: dict, costs: dict, noise: list[float], fixed: in
             accepted += 1
         round_seconds = round_time(costs["round_seconds"], k) * factor
         if policy is not None:
-            policy.update(k, accepted, round_seconds, catch_up=catch_up)
+            if k == 0 and 0 < i < n_tokens - 1:  # the loop chooses past a pipelined plain
+                chosen = policy.choose(limit - 1)  # round before booking it
+            if fills:
+                policy.update(k, accepted, round_seconds, catch_up=catch_up,
+                              filled=filled and catch_up > 0)
+            else:
+                policy.update(k, accepted, round_seconds, catch_up=catch_up)
             asks = getattr(policy, "wants_beyond", None)  # (policies before 2026-12-04: always)
             if k and accepted == k and i + k < n_tokens and (asks is None or asks(k)):
                 policy.observe_beyond(k, bool(matches[i + k]))
@@ -229,7 +247,8 @@ def main() -> None:
     texts = [record(target, draft, tok, p, args.tokens, PROMPT_EVIDENCE)
              for p in PROMPTS[: args.prompts]]
     texts.append({"prompt": "(always rejected)", "matches": [0] * args.tokens,
-                  "prompt_evidence": [0.0] * PROMPT_EVIDENCE})
+                  "prompt_evidence": [0.0] * PROMPT_EVIDENCE,
+                  "prompt_tokens": round(statistics.fmean(t["prompt_tokens"] for t in texts))})
     if args.costs_from:
         saved = json.loads(Path(args.costs_from).read_text())["settings"]["costs"]
         costs = {**saved, "round_seconds": {int(k): v for k, v in saved["round_seconds"].items()}}
