@@ -555,7 +555,7 @@ class DraftLengthPolicy:
         # prefill is a tenth of the target's; the probe budget and a look's worth
         # (`_look_value`) decide such looks
         pick = best
-        if best > max(self.timed) and not caught_up and (
+        if rates[best] > plain_rate and best > max(self.timed) and not caught_up and (
                 self._looks_first() or (self.looks and self.empty > 0)) and min(
                 remaining, LOOK_HORIZON) * (1.0 / plain_rate - 1.0 / rates[best]) \
                 < self._switch_price():
