@@ -450,9 +450,9 @@ class DraftLengthPolicy:
     def start_generation(self) -> None:
         """A generation starts: its draft is in step with its target (or starts empty: its first
         catch-up fills it), its first plain stretch has not looked at its text yet (FIRST_LOOK)
-        and no plain choice holds. The probe budget (`plain_seconds`, the plain time since the
-        last probe) runs on: restarted every generation, it never paid for a look in a warm
-        process whose drafting cost had been timed in a bad moment, since within a plain
+        and no plain choice holds. The probe budget (`plain_seconds`, the plain time since
+        speculation was last tried) runs on: restarted every generation, it never paid for a look
+        in a warm process whose drafting cost had been timed in a bad moment, since within a plain
         stretch the look's catch-up grows by more per round (~0.05 ms on the demo pair, CPU) than
         `probe_budget` of a plain round (~0.04 ms), and such a pair decoded generation after
         generation plainly at an acceptance of 0.9 (docs/design.md)."""
@@ -546,6 +546,8 @@ class DraftLengthPolicy:
         if not rates:
             return 0
         best = max(rates, key=lambda k: (rates[k], -k))
+        timed = max(self.timed)
+        measured = [k for k in rates if k <= timed]  # the k whose cost is timed, not extrapolated
         # behind the target (a look comes first), drafting at a cost extrapolated for a k not
         # timed yet (optimistic: the draft's steps only) must also repay the catch-up over the
         # tokens a look's finding holds for (LOOK_HORIZON, or the rest of the generation), else
@@ -555,12 +557,11 @@ class DraftLengthPolicy:
         # prefill is a tenth of the target's; the probe budget and a look's worth
         # (`_look_value`) decide such looks
         pick = best
-        if rates[best] > plain_rate and best > max(self.timed) and not caught_up and (
+        if rates[best] > plain_rate and best not in measured and not caught_up and (
                 self._looks_first() or (self.looks and self.empty > 0)) and min(
                 remaining, LOOK_HORIZON) * (1.0 / plain_rate - 1.0 / rates[best]) \
                 < self._switch_price():
-            pick = max((k for k in rates if k <= max(self.timed)),
-                       key=lambda k: (rates[k], -k), default=0)
+            pick = max(measured, key=lambda k: (rates[k], -k), default=0)
         if pick and rates[pick] > plain_rate:
             return pick
         if self.retime and (caught_up or self.behind == 0) and promising \
@@ -574,7 +575,6 @@ class DraftLengthPolicy:
             # round, looked each generation at one token: an always-rejected draft, demo pair)
             return 0
         switch = self._switch_price()
-        measured = [k for k in rates if k <= max(self.timed)]
         # Thompson sampling where the draft is in step (it drafted last round, or has just caught
         # up): drafting goes on unless a draw says it loses more over HORIZON tokens than a
         # switch back would cost. A drafting round measures acceptance as it goes, a plain round
@@ -664,9 +664,9 @@ class DraftLengthPolicy:
         return 0
 
     def _budget_allows(self, loss: float) -> bool:
-        """Whether the plain time since the last probe has earned a probe expected to lose
-        `loss` seconds: `probe_budget` of it, times `_probe_share` (computed only once the whole
-        budget covers the loss)."""
+        """Whether the plain time since speculation was last tried has earned a probe expected
+        to lose `loss` seconds: `probe_budget` of it, times `_probe_share` (computed only once the
+        whole budget covers the loss)."""
         earned = self.plain_seconds * self.probe_budget
         return earned >= loss and earned * self._probe_share() >= loss
 
