@@ -806,6 +806,31 @@ def looking_simulation(policy: DraftLengthPolicy, alpha: float, cost, rounds: in
     return run
 
 
+def test_a_plain_cost_booked_in_a_busy_moment_does_not_keep_a_rejected_draft_drafting():
+    """A warm pair (k = 1 timed at 1.9 plain rounds, acceptance 0.7) whose draft is then always
+    rejected, on a machine busy at 3x for 12 rounds in every 150 (twelve placements). Where a
+    busy moment falls at a plain stretch's end, R(0) is booked at ~2x and the plain time it
+    earned pays a probe right after: drafting at R(1) = 1.9 then beats that R(0) whatever the
+    acceptance, and drafting never re-times R(0), so it went on drafting rejected rounds (up to
+    469 of a run's ~1500; 0.78-0.85 of plain decoding in 7 of 12 placements). R(0) is held to
+    R(1) / (1 + k * draft_ratio / 2) once R(1) is timed now: each run drafts a few dozen rounds
+    at most and stays within 4% of plain decoding under the same noise."""
+    for placement in range(12):
+        offset = placement * 97 % 150
+
+        def cost(r: int, k: int, offset: int = offset) -> float:
+            return (1.0 + 0.9 * k) * (3.0 if (r + offset) % 150 < 12 else 1.0)
+
+        policy = DraftLengthPolicy(4, draft_ratio=0.25)
+        looking_simulation(policy, 0.7, lambda r, k: 1.0 + 0.9 * k, generations=2,
+                           catch_up=_fill, prompt=20)
+        run = looking_simulation(policy, 0.0, cost, generations=12, catch_up=_fill, prompt=20)
+        plain = sum(cost(r, 0) for r in range(run.tokens))  # a token a round, the same noise
+        drafted = sum(1 for k in run.ks if k)
+        assert drafted <= 40, (offset, drafted)
+        assert run.tokens / run.seconds >= 0.96 * run.tokens / plain, (offset, drafted)
+
+
 def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():
     """A round drafting k costs 1 + k / 2 plain rounds and each position is accepted 0.7 of the
     time: k = 1 pays (1.7 tokens for 1.5 rounds; k = 2: 2.19 for 2). For 10 rounds the machine

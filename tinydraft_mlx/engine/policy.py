@@ -908,6 +908,7 @@ class DraftLengthPolicy:
                 recent.clear()
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
+            self._bound_plain(k, statistics.median(recent), len(recent))
             self.round_seconds[k] = self._drafting_cost(k)
             self._note_ratio(k)
             return
@@ -924,6 +925,23 @@ class DraftLengthPolicy:
             for j in self.costs.here - {0}:
                 self.round_seconds[j] = self._drafting_cost(j)
                 self._note_ratio(j)
+
+    def _bound_plain(self, k: int, median: float, timings: int) -> None:
+        """Hold R(0) to what a drafting round timed now allows: a round drafting k is a verify
+        forward, at least a plain round's, plus k draft steps, so R(0) <= R(k) / (1 + k * d),
+        R(k) the median of k's latest timings (three at least: one round is no evidence) and d a
+        draft step's share of a plain round, here half `draft_ratio`: the prefill ratio can
+        overstate a draft step where verifying is nearly free (a GPU-like machine, R(k) = 1 +
+        0.12k plain rounds against a ratio of 0.25), and the bound is for an R(0) that is grossly
+        off. Drafting never re-times R(0): booked at 3x in a busy plain stretch (1.9x was seen,
+        CPU), it let a draft always rejected keep drafting once the machine was quiet again,
+        since at an R(1) below that R(0) drafting wins whatever the acceptance (simulated: a third
+        of the rounds drafted and rejected)."""
+        if timings < 3 or 0 not in self.costs.here:
+            return
+        bound = median / (1.0 + 0.5 * k * self.draft_ratio)
+        if self.round_seconds[0] > bound:
+            self.round_seconds[0] = bound
 
     def _drafting_cost(self, k: int) -> float:
         """R(k) from k's timings here: their median, or while they are fewer than RECENT (a
