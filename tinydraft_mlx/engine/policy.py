@@ -13,8 +13,7 @@ Both sides are measured online, not assumed:
   (posterior mean under a prior of weight `prior_strength` centred on it).
 - R(k): the median of the last `RECENT` measured wall times of rounds that drafted k (a median: on a
   shared machine a round now and then takes 2-3x its usual time); timings older than `STALE_ROUNDS`
-  rounds (more for a k whose re-timings confirmed its cost: `RoundCosts.stale`) give way to k's
-  next one, and a look (below) judges a k whose timings are that old at the
+  rounds give way to k's next one, and a look (below) judges a k whose timings are that old at the
   lowest R(k) / R(0) measured here (for a k timed before R(0), over R(0)'s first estimate, taken on
   the plain rounds right after), so that it is timed afresh where that would pay (a busy moment's
   timings of R(1) at 2x otherwise kept a warm process plain for good: plain rounds never re-time
@@ -202,7 +201,6 @@ LOOK_HORIZON = 64  # tokens (at most: the rest of the generation) a look's findi
 LOOK_POINTS = 24  # grid over the first position's acceptance a look's value is integrated on
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh by a probe
-CONFIRMED_MAX = 4  # re-timings that found k's cost as before, each doubling STALE_ROUNDS for k
 FIRST_ROUNDS_LOW = 0.8  # a k's first rounds after a switch run up to 25% above a run's (1 / 1.25)
 HOLD_ROUNDS = 8  # plain rounds a plain choice stands for unless a probe or the first look falls due
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
@@ -239,11 +237,6 @@ class RoundCosts:
         self.best_ratio: dict[int, float] = {}
         self.rounds = 0  # rounds booked in this process
         self.last_timed: dict[int, int] = {}  # per k, `rounds` when it was last timed here
-        # per drafting k: how many times running its cost, timed afresh after going stale, came
-        # out no lower than before (`stale`), and while such a re-timing is under way the R(k) /
-        # R(0) it is checking (`DraftLengthPolicy._book`)
-        self.confirmed: Counter[int] = Counter()
-        self.checking: dict[int, float] = {}
         # per drafting k, R(k) / R(0) as the latest full window of RECENT timings measured it,
         # here or in an earlier process (the policy file): what k's first few timings (in this
         # process, or after its timings went stale) are judged against (`_drafting_cost`). A
@@ -255,16 +248,9 @@ class RoundCosts:
         self.fill_per_token = 0.0
 
     def stale(self, k: int) -> bool:
-        """Whether k's timings here are older than STALE_ROUNDS rounds, doubled for each time
-        running (at most CONFIRMED_MAX) that k's cost timed afresh came out as before, not 10%
-        lower (never timed: not stale). A stale k is re-timed by a probe whose look finds that it
-        could pay (`DraftLengthPolicy._could_pay`): three drafting rounds. Where acceptance is
-        good but drafting does not pay (R(1) at 2x a plain round, acceptance 0.7: a GPU-like
-        machine with small models), each generation's budgeted look re-timed k = 1 at a loss and
-        found the same cost: simulated, 48-72 drafting rounds in 24 generations, now 22-36;
-        replayed warm (bench/auto_replay.py) 0.981 -> 0.984 of the best fixed k."""
-        span = STALE_ROUNDS << min(self.confirmed[k], CONFIRMED_MAX)
-        return k in self.last_timed and self.rounds - self.last_timed[k] >= span
+        """Whether k's timings here are older than STALE_ROUNDS rounds (never timed: not
+        stale)."""
+        return k in self.last_timed and self.rounds - self.last_timed[k] >= STALE_ROUNDS
 
     def book_switch(self, behind: int, seconds: float) -> None:
         """A catch-up of `seconds` after `behind` plain rounds."""
@@ -931,19 +917,11 @@ class DraftLengthPolicy:
             # replaces them
             costs = self.costs
             recent = costs.recent.setdefault(k, deque(maxlen=RECENT))
-            plain = self.round_seconds.get(0, 0.0) if 0 in costs.here else 0.0
             if costs.stale(k):
                 recent.clear()
-                if plain > 0 and k in self.round_seconds:  # what the fresh timings check
-                    costs.checking[k] = self.round_seconds[k] / plain
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
             median = statistics.median(recent)
-            if k in costs.checking and len(recent) >= EXPLORE_TIMES and plain > 0:
-                # the cost as before (not 10% lower): the next re-timing can wait twice as long
-                before = costs.checking.pop(k)
-                costs.confirmed[k] = costs.confirmed[k] + 1 if median / plain >= 0.9 * before \
-                    else 0
             self._bound_plain(k, median, len(recent))
             self.round_seconds[k] = self._drafting_cost(k)
             self._note_ratio(k)
