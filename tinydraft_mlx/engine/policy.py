@@ -201,7 +201,6 @@ LOOK_HORIZON = 64  # tokens (at most: the rest of the generation) a look's findi
 LOOK_POINTS = 24  # grid over the first position's acceptance a look's value is integrated on
 SWITCH_DECAY = 0.8  # weight of a past switch in the catch-up cost's fit, per switch since
 STALE_ROUNDS = 32  # rounds after which a drafting k's cost is re-timed afresh by a probe
-FIRST_ROUNDS_LOW = 0.8  # a k's first rounds after a switch run up to 25% above a run's (1 / 1.25)
 HOLD_ROUNDS = 8  # plain rounds a plain choice stands for unless a probe or the first look falls due
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
@@ -566,7 +565,7 @@ class DraftLengthPolicy:
         if pick and rates[pick] > plain_rate:
             return pick
         if self.retime and (caught_up or self.behind == 0) and promising \
-                and self.retime_k <= limit and (not caught_up or self._could_pay(alphas)):
+                and self.retime_k <= limit:
             return self.retime_k  # a budgeted probe re-times a stale k (below)
         self.retime = 0
         if self.empty and self.looks and self.behind < FIRST_LOOK:
@@ -728,18 +727,6 @@ class DraftLengthPolicy:
                 if gain > 0:
                     saving += weight * gain
         return horizon * saving / sum(weights)
-
-    def _could_pay(self, alphas: list[float]) -> bool:
-        """Whether the stale k a budgeted probe would re-time (`retime_k`) could pay on what its
-        look found: E(k) above its lowest R(k) / R(0) measured here times FIRST_ROUNDS_LOW (as if
-        its timings all came from first rounds after a switch, 25% dear). A re-time asked only
-        that the first position look promising (EXPLORE_MIN, 0.3), and drafted three losing
-        rounds where k = 1 needed E(1) = 1.87 (the demo pair's costs, CPU): replayed, a fresh
-        text at acceptance 0.46 went from 0.953 to 0.965 of the best fixed k, a warm process
-        from 0.976 to 0.981 (bench/auto_replay.py, this machine's noise)."""
-        ratio = self.costs.best_ratio.get(self.retime_k)
-        return ratio is None or \
-            self.expected_tokens(alphas, self.retime_k) > FIRST_ROUNDS_LOW * ratio
 
     def _hoped_cost(self, k: int) -> float:
         """R(k), or where it is stale (k not timed for STALE_ROUNDS rounds) the lowest R(k) /
@@ -921,8 +908,7 @@ class DraftLengthPolicy:
                 recent.clear()
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
-            median = statistics.median(recent)
-            self._bound_plain(k, median, len(recent))
+            self._bound_plain(k, statistics.median(recent), len(recent))
             self.round_seconds[k] = self._drafting_cost(k)
             self._note_ratio(k)
             return
