@@ -956,10 +956,12 @@ def test_a_plain_choice_holds_for_a_few_rounds_as_if_made_every_round(alpha, mon
         assert full[hold] < sum(len(run.ks) for run in held) / 3 < full[1], full
 
 
+@pytest.mark.parametrize("spoil", [1.5, 2.5])
 @pytest.mark.parametrize("prompt", [0, 20])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_generations(seed,
-                                                                                      prompt):
+                                                                                      prompt,
+                                                                                      spoil):
     """A warm process (generations of 128 tokens, the loop looks before it leaps) whose pair
     timed its first k = 1 rounds at 1.5x their cost (a pair's first rounds on the demo pair,
     CPU: 2.1x a plain round where a run costs 1.6x): R(1) = 2.25 plain rounds, and at an
@@ -971,9 +973,12 @@ def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_genera
     behind, faster than 2% of a plain round): every later generation decoded all its tokens
     plainly. Now the budget runs on across generations, and a budgeted probe whose look finds
     the first position promising drafts the stale k EXPLORE_TIMES times, so it is timed
-    afresh."""
+    afresh. Also where the first timings were 2.5x dear (two of four pairs timed R(1) at 4.2-6.7
+    ms where a run costs ~2.4, demo pair, CPU): a re-time that also asked whether the look's
+    acceptance could pay at 0.8 of the lowest ratio measured never came, nor one asking that
+    only after a re-timing had found the cost as before (it found the first generation's)."""
     costs = {0: 1.0, 1: 1.5, 2: 2.7, 3: 3.9, 4: 5.1}
-    spoiled = [1.5]
+    spoiled = [spoil]
     policy = DraftLengthPolicy(4)
     policy.accepted[0], policy.rejected[0] = 2.0, 2.0
 
@@ -985,7 +990,7 @@ def test_a_cost_timed_in_a_pairs_bad_first_rounds_is_timed_again_in_later_genera
 
     looking_simulation(policy, 0.9, cost, generations=1, tokens=128, seed=seed,
                        catch_up=catch_up, prompt=prompt)
-    assert policy.round_seconds[1] == pytest.approx(2.25)  # the bad timings stand
+    assert policy.round_seconds[1] == pytest.approx(1.5 * spoil)  # the bad timings stand
     spoiled[0] = 1.0
     later = looking_simulation(policy, 0.9, cost, generations=6, tokens=128, seed=seed + 1,
                                catch_up=catch_up, prompt=prompt)
