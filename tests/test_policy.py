@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tinydraft_mlx.engine.policy import FIRST_LOOK, DraftLengthPolicy
+from tinydraft_mlx.engine.policy import FIRST_LOOK, RECENT, DraftLengthPolicy
 
 
 def simulate(policy, alpha_at, cost, rounds, seed=0):
@@ -829,6 +829,27 @@ def test_a_plain_cost_booked_in_a_busy_moment_does_not_keep_a_rejected_draft_dra
         drafted = sum(1 for k in run.ks if k)
         assert drafted <= 40, (offset, drafted)
         assert run.tokens / run.seconds >= 0.96 * run.tokens / plain, (offset, drafted)
+
+
+def test_a_ratio_to_an_r0_the_bound_set_is_not_kept_as_hope():
+    """R(0) booked at 3.0 in a busy stretch, then a full window of k = 1 at 1.9: the bound lowers
+    R(0) to 1.9 / (1 + 0.25 / 2), and the window's ratio to that R(0) (1.125) is the bound's, not
+    a measurement: kept as k = 1's hope (`RoundCosts.hope`, saved to the policy file), it would
+    let a later process, or this one after a switch, draft k = 1 at 1.125x a plain round where it
+    costs 1.9x until a full window came. Once plain rounds book R(0) again, a window measures."""
+    policy = DraftLengthPolicy(4, draft_ratio=0.25)
+    for _ in range(20):
+        policy.update(0, 0, 3.0)
+    for _ in range(RECENT):
+        policy.update(1, 1, 1.9)
+    assert policy.round_seconds[0] == pytest.approx(1.9 / 1.125)
+    assert 1 not in policy.costs.hope
+    policy.end_stretch()
+    for _ in range(40):
+        policy.update(0, 0, 1.0)
+    for _ in range(RECENT):
+        policy.update(1, 1, 1.9)
+    assert policy.costs.hope[1] == pytest.approx(1.9 / policy.round_seconds[0])
 
 
 def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():

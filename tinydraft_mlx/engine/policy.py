@@ -245,6 +245,9 @@ class RoundCosts:
         # seconds per token of the latest fill (a generation's first catch-up, which feeds a
         # draft that started empty the prompt too): what a look costs before it (`_switch_price`)
         self.fill_per_token = 0.0
+        # R(0) was last set by a drafting round's bound (`DraftLengthPolicy._bound_plain`), not
+        # by plain rounds: a ratio to it is no measurement (`hope` is not taken against it)
+        self.plain_bounded = False
 
     def stale(self, k: int) -> bool:
         """Whether k's timings here are older than STALE_ROUNDS rounds (never timed: not
@@ -914,6 +917,7 @@ class DraftLengthPolicy:
             return
         # plain rounds (booked as a stretch's median, many rounds each): a running mean at first,
         # then a moving average of weight `smoothing` per round
+        self.costs.plain_bounded = False
         old = self.round_seconds.get(k, 0.0)
         weight = max(1.0 - (1.0 - self.smoothing) ** rounds, rounds / self.timed[k])
         self.round_seconds[k] = old + weight * (seconds - old)
@@ -936,12 +940,14 @@ class DraftLengthPolicy:
         off. Drafting never re-times R(0): booked at 3x in a busy plain stretch (1.9x was seen,
         CPU), it let a draft always rejected keep drafting once the machine was quiet again,
         since at an R(1) below that R(0) drafting wins whatever the acceptance (simulated: a third
-        of the rounds drafted and rejected)."""
+        of the rounds drafted and rejected). A full window's R(k) / R(0) against an R(0) so set is
+        the bound's (1 + k * d), not kept as k's hope (`RoundCosts.plain_bounded`)."""
         if timings < 3 or 0 not in self.costs.here:
             return
         bound = median / (1.0 + 0.5 * k * self.draft_ratio)
         if self.round_seconds[0] > bound:
             self.round_seconds[0] = bound
+            self.costs.plain_bounded = True  # (a full window's ratio to it would be the bound's)
 
     def _drafting_cost(self, k: int) -> float:
         """R(k) from k's timings here: their median, or while they are fewer than RECENT (a
@@ -959,7 +965,7 @@ class DraftLengthPolicy:
         recent, costs = self.costs.recent[k], self.costs
         cost = statistics.median(recent)
         plain = self.round_seconds.get(0, 0.0) if 0 in costs.here else 0.0
-        if plain > 0 and len(recent) >= RECENT:
+        if plain > 0 and len(recent) >= RECENT and not costs.plain_bounded:
             costs.hope[k] = cost / plain  # a full window: the ratio to hope for next time
         elif plain > 0 and k in costs.hope:
             cost = min(cost, costs.hope[k] * plain)
