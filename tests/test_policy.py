@@ -850,6 +850,16 @@ def test_a_ratio_to_an_r0_the_bound_set_is_not_kept_as_hope():
     for _ in range(RECENT):
         policy.update(1, 1, 1.9)
     assert policy.costs.hope[1] == pytest.approx(1.9 / policy.round_seconds[0])
+    # a full window is judged on its median alone, also where R(0) is bounded (an older, lower
+    # hope does not cap it)
+    bounded = DraftLengthPolicy(4, draft_ratio=0.25)
+    bounded.costs.hope[1] = 1.0
+    for _ in range(20):
+        bounded.update(0, 0, 3.0)
+    for _ in range(RECENT):
+        bounded.update(1, 1, 1.9)
+    assert bounded.costs.plain_bounded and bounded.round_seconds[1] == pytest.approx(1.9)
+    assert bounded.costs.hope[1] == 1.0
 
 
 def test_a_drafting_cost_timed_in_a_busy_moment_does_not_keep_a_process_plain():

@@ -965,8 +965,9 @@ class DraftLengthPolicy:
         recent, costs = self.costs.recent[k], self.costs
         cost = statistics.median(recent)
         plain = self.round_seconds.get(0, 0.0) if 0 in costs.here else 0.0
-        if plain > 0 and len(recent) >= RECENT and not costs.plain_bounded:
-            costs.hope[k] = cost / plain  # a full window: the ratio to hope for next time
+        if plain > 0 and len(recent) >= RECENT:  # a full window: the ratio to hope for next
+            if not costs.plain_bounded:  # time (not against an R(0) the bound set)
+                costs.hope[k] = cost / plain
         elif plain > 0 and k in costs.hope:
             cost = min(cost, costs.hope[k] * plain)
         return cost
