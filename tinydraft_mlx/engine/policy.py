@@ -911,8 +911,9 @@ class DraftLengthPolicy:
                 recent.clear()
             costs.last_timed[k] = costs.rounds
             recent.append(seconds)
-            self._bound_plain(k, statistics.median(recent), len(recent))
-            self.round_seconds[k] = self._drafting_cost(k)
+            median = statistics.median(recent)
+            self._bound_plain(k, median, len(recent))
+            self.round_seconds[k] = self._drafting_cost(k, median)
             self._note_ratio(k)
             return
         # plain rounds (booked as a stretch's median, many rounds each): a running mean at first,
@@ -949,12 +950,13 @@ class DraftLengthPolicy:
             self.round_seconds[0] = bound
             self.costs.plain_bounded = True  # (a full window's ratio to it would be the bound's)
 
-    def _drafting_cost(self, k: int) -> float:
-        """R(k) from k's timings here: their median, or while they are fewer than RECENT (a
-        new process's, or after they went stale), at most R(0) times the ratio the latest full
-        window measured (`RoundCosts.hope`, here or in the policy file). A k's first rounds
-        after a switch are its dearest (the draft cold after plain rounds, no step ahead after
-        a rejection: 15-25% above a run's on the demo pair, CPU), and a fresh process judged
+    def _drafting_cost(self, k: int, median: float | None = None) -> float:
+        """R(k) from k's timings here: their median (`median`, where the caller has it), or while
+        they are fewer than RECENT (a new process's, or after they went stale), at most R(0) times
+        the ratio the latest full window measured (`RoundCosts.hope`, here or in the policy
+        file). A k's first rounds after a switch are its dearest (the draft cold after plain
+        rounds, no step ahead after a rejection: 15-25% above a run's on the demo pair, CPU), and
+        a fresh process judged
         k = 1 on three of them: 1.9x a plain round where a run of it costs 1.4-1.5x; with the
         policy file (whose cost the first timing replaced) 16 of 32 fresh processes then
         decoded most of their 128 tokens plainly where k = 1 paid, 3 of 32 with this bound.
@@ -963,7 +965,7 @@ class DraftLengthPolicy:
         that says cheaper costs at most RECENT rounds before this process's own median
         decides."""
         recent, costs = self.costs.recent[k], self.costs
-        cost = statistics.median(recent)
+        cost = statistics.median(recent) if median is None else median
         plain = self.round_seconds.get(0, 0.0) if 0 in costs.here else 0.0
         if plain > 0 and len(recent) >= RECENT:  # a full window: the ratio to hope for next
             if not costs.plain_bounded:  # time (not against an R(0) the bound set)
