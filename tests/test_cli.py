@@ -206,3 +206,31 @@ def test_no_known_draft_is_said_in_one_line(checkpoints, capsys):
     assert len(lines) == 1 and "--draft" in lines[0] and str(checkpoints["target"]) in lines[0]
     assert main(base + ["--draft", "none"]) == 0
     assert "no draft model is known" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_a_broken_group_mid_generation_is_one_line(checkpoints, capsys, monkeypatch, distributed):
+    """A collective failing mid-generation (another rank exited: MLX raises RuntimeError
+    "[ring] connection to a peer was lost") ends a distributed run with status 1 and one line
+    that says what broke; outside a distributed run a RuntimeError is a bug and is not hidden."""
+    import tinydraft_mlx.cli as cli
+
+    class RankZero:
+        rank, size = 0, 2
+
+    def broken(steps, quiet=False):
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(cli, "_stream_text", broken)
+    monkeypatch.setattr(cli, "ranks_of", lambda model: RankZero() if distributed else None)
+    args = ["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
+            "--prompt", "def f(", "--max-tokens", "4"]
+    if not distributed:
+        with pytest.raises(RuntimeError, match="connection to a peer"):
+            cli.main(args)
+        return
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "the ranks' group failed during the generation" in err
+    assert "connection to a peer was lost" in err

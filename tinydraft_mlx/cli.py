@@ -223,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     except DesyncError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1
+    except RuntimeError as err:
+        if ranks is None:
+            raise
+        # a collective failed: another rank exited or its connection broke (its error is above)
+        print(f"{parser.prog}: error: --distributed: the ranks' group failed during the "
+              f"generation ({err}); another rank may have exited, see its error", file=sys.stderr)
+        return 1
     if prompt_cache is not None:
         prompt_cache.save(args.prompt_cache_file)
     return code
