@@ -35,8 +35,11 @@ def _mkl_path() -> str:
     return _mkl_candidates()[0]
 
 
-def _run(blas: str, directory, *extra: str, preload: str | None = None) -> tuple[dict, str]:
+def _run(blas: str, directory, *extra: str, preload: str | None = None,
+         path: str | None = None) -> tuple[dict, str]:
     env = [f"TINYDRAFT_BLAS={blas}"] + ([f"LD_PRELOAD={preload}"] if preload else [])
+    if path is not None:  # a directory put first on the child's sys.path
+        env.append(f"PYTHONPATH={os.pathsep.join([path, os.environ.get('PYTHONPATH', '')])}")
     env_cmd = ["env", *env, sys.executable, "-c", SCRIPT, str(directory), *extra]
     result = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -105,3 +108,20 @@ def test_mkl_runs_one_thread_unless_told_otherwise(env, expected):
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["mkl"] == expected
+
+
+@pytest.mark.skipif(not on_linux_x86, reason="the BLAS preload only acts on Linux x86-64 here")
+def test_no_preload_where_mlx_cuda_is_installed(checkpoints, tmp_path):
+    """The preload is a CPU trick: where MLX's CUDA build is installed (here its distribution's
+    metadata, faked: MLX itself stays the CPU build) "auto" loads no BLAS, and a run that then
+    computes on the CPU is told how to load one; an explicit choice still loads."""
+    info = tmp_path / "mlx_cuda_13-0.32.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.32.4\n")
+    auto, err = _run("auto", checkpoints["target"], path=str(tmp_path))
+    assert auto["blas"] == "reference"
+    assert err.count("MLX's CUDA build is installed") == 1 and "TINYDRAFT_BLAS=mkl" in err
+    chosen, err = _run("mkl", checkpoints["target"], path=str(tmp_path))
+    assert chosen["blas"].startswith("mkl (") and "reference BLAS" not in err
+    plain, _ = _run("auto", checkpoints["target"])  # without the CUDA build: MKL, as ever
+    assert plain["blas"].startswith("mkl (")

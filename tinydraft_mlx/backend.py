@@ -5,7 +5,9 @@ costs k+1 single steps, so speculation cannot pay); a real BLAS loaded with RTLD
 `mlx.core` is first imported takes its place. `preload_blas()` is that one piece of import-time
 global state, run by `tinydraft_mlx/__init__.py` first thing and switchable with
 TINYDRAFT_BLAS=auto|mkl|openblas|off|/path/to/lib.so (auto: MKL from the `mkl` extra, else a
-system OpenBLAS). It does nothing on macOS, where MLX uses Metal and Accelerate.
+system OpenBLAS). It does nothing on macOS, where MLX uses Metal and Accelerate, and under "auto"
+nothing where MLX's CUDA build is installed (`mlx[cuda]`: it computes on the GPU; an explicit
+choice still loads, for CPU runs on such a machine).
 
 MKL runs one thread unless MKL_NUM_THREADS (or OMP_NUM_THREADS) says otherwise: measured on the
 2-core machines (bench/threads.py, results/threads.json), a second MKL thread gains at most ~1.9x
@@ -36,6 +38,7 @@ BLAS_ENV = "TINYDRAFT_BLAS"
 MKL_THREADS = "1"  # MKL_NUM_THREADS when the user sets neither it nor OMP_NUM_THREADS
 _blas: str | None = None  # what preload_blas() settled on
 _late = False  # mlx.core was imported before preload_blas() could act
+_skipped_for_gpu = False  # "auto" left the BLAS alone: MLX's CUDA build is installed
 _warned = False
 
 
@@ -83,10 +86,28 @@ def mapped_blas() -> str:
     return f"{kind} ({path})"
 
 
+CUDA_DISTRIBUTIONS = ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda")  # what `mlx[cuda]` installs
+
+
+def mlx_cuda_installed() -> bool:
+    """Whether MLX's CUDA build is installed (read from the installed distributions, without
+    importing `mlx.core`, which the preload must come before)."""
+    from importlib import metadata
+
+    for name in CUDA_DISTRIBUTIONS:
+        try:
+            metadata.distribution(name)
+            return True
+        except metadata.PackageNotFoundError:
+            continue
+    return False
+
+
 def preload_blas(choice: str | None = None) -> str:
     """Load the chosen BLAS before MLX is imported and return the BLAS MLX then uses
-    (idempotent). Too late once `mlx.core` is imported: that is detected and reported."""
-    global _blas, _late
+    (idempotent). Too late once `mlx.core` is imported: that is detected and reported. "auto"
+    loads nothing where MLX's CUDA build is installed: the preload is for MLX's CPU backend."""
+    global _blas, _late, _skipped_for_gpu
     if _blas is not None:
         return _blas
     if sys.platform != "linux":
@@ -94,7 +115,8 @@ def preload_blas(choice: str | None = None) -> str:
         return _blas
     choice = (choice or os.environ.get(BLAS_ENV) or "auto").strip()
     _late = "mlx.core" in sys.modules
-    if not _late and choice != "off":
+    _skipped_for_gpu = choice == "auto" and mlx_cuda_installed()
+    if not _late and choice != "off" and not _skipped_for_gpu:
         _load_choice(choice)
     _blas = mapped_blas()
     return _blas
@@ -133,7 +155,10 @@ def warn_if_slow_blas() -> None:
     if os.environ.get(BLAS_ENV, "auto").strip() == "off":
         return
     _warned = True
-    if _late:
+    if _skipped_for_gpu:
+        fix = ("MLX's CUDA build is installed, so no BLAS was preloaded for the CPU. Fix: for "
+               f"CPU runs on this machine set {BLAS_ENV}=mkl (or openblas) before starting.")
+    elif _late:
         fix = ("mlx.core was imported before tinydraft_mlx, so its BLAS preload came too late. "
                "Fix: import tinydraft_mlx before mlx and mlx_lm (or start Python with "
                "LD_PRELOAD=/path/to/libmkl_rt.so), then restart.")
