@@ -109,6 +109,13 @@ When plain decoding wins on the means, speculation is still tried in three ways:
   chance that the look finds the draft worth exploring (`_probe_share`: the first position's
   posterior probability of an acceptance >= EXPLORE_MIN): a draft the last look found always
   rejected is probed again as its evidence fades (PLAIN_DECAY), not after every ~50 plain rounds.
+  Probes that found nothing new (drafting still loses at the means, no re-timed cost moved by
+  more than PROBE_CHANGE) slow the next ones: the budget over 1 + FRUITLESS_SLOWING per such probe
+  in a row, up to FRUITLESS_CAP of them (`_end_probe`). Where nothing pays, a warm process had
+  probed about once a generation (a look, three re-timing rounds, a few in-step draws), ~2% of its
+  time (demo pair, T = 0.7: 0.965-0.973x plain decoding, 0.982-0.985x with the slowing); the
+  price is a change only a probe can find (a drafting cost that falls, R(0) unchanged), found up
+  to 3x later.
 And where the loop looks first, a generation's first stretch of plain rounds looks at its text
 once, after `FIRST_LOOK` rounds (a catch-up of a few tokens), whatever the evidence says while the
 policy has not looked at a generated text yet (`seen_text`: a fresh process's evidence is the
@@ -205,6 +212,9 @@ HOLD_ROUNDS = 8  # plain rounds a plain choice stands for unless a probe or the 
 SAVE_EVERY = 10.0  # seconds between two saves of one pair's policy file entry
 LOADED_WEIGHT = 8.0  # evidence a loaded regime's acceptance counts for (then new text leads)
 ANCHOR_WEIGHT = 0.1  # switches' worth of the switch cost's prior point (`switch_cost`)
+FRUITLESS_SLOWING = 0.5  # the probe budget over 1 + this per fruitless probe in a row
+FRUITLESS_CAP = 4  # fruitless probes counted at most (the budget at least a third)
+PROBE_CHANGE = 0.2  # a re-timed R(k) / R(0) this far from before: the probe found a change
 BEYOND_EVIDENCE = 6.0  # observations of position k + 1 past which a k round stops reading it
 _GRID = [(i + 0.5) / LOOK_POINTS for i in range(LOOK_POINTS)]
 _LOG_GRID = [(math.log(x), math.log1p(-x)) for x in _GRID]
@@ -316,6 +326,16 @@ class RoundCosts:
             self.hope.setdefault(k, ratio)
 
 
+class _Probe:
+    """A budgeted probe under way (`DraftLengthPolicy._end_probe`): R(k) / R(0) when it began
+    and the k its rounds drafted."""
+
+    def __init__(self, ratios: dict[int, float]) -> None:
+        self.ratios = ratios
+        self.begun = False  # its look (catch-up) or first drafting round has been booked
+        self.drafted: set[int] = set()
+
+
 class DraftLengthPolicy:
     """Online choice of k. `choose(limit)` before a round, `update(k, accepted, seconds)` after."""
 
@@ -365,6 +385,10 @@ class DraftLengthPolicy:
         # tokens the draft lacks beyond the plain rounds it missed: the prompt, where the draft
         # starts a generation empty (set per generation by the loop; 0 once a catch-up fed it)
         self.empty = 0
+        # budgeted probes in a row that found nothing new (`_end_probe`), which slow the next
+        # ones (`_budget_allows`); the probe under way, if any
+        self.fruitless = 0
+        self.probe: _Probe | None = None
 
     # -- estimates -------------------------------------------------------------------------------
     def round_cost(self, k: int) -> float:
@@ -463,6 +487,8 @@ class DraftLengthPolicy:
         self.behind = 0
         self.held = 0
         self.retime = 0
+        if self.probe is not None:
+            self._end_probe()
 
     def choose(self, limit: int, caught_up: bool = False) -> int:
         """k for the next round, at most `limit` (tokens the round may still emit, minus one);
@@ -663,6 +689,7 @@ class DraftLengthPolicy:
             if stale and self.looks:
                 self.retime = EXPLORE_TIMES
                 self.retime_k = max(stale, key=lambda k: (rates[k], -k))
+            self.probe = _Probe(self._ratios())
             return best
         return 0
 
@@ -670,7 +697,7 @@ class DraftLengthPolicy:
         """Whether the plain time since speculation was last tried has earned a probe expected
         to lose `loss` seconds: `probe_budget` of it, times `_probe_share` (computed only once the
         whole budget covers the loss)."""
-        earned = self.plain_seconds * self.probe_budget
+        earned = self.plain_seconds * self.probe_budget / (1.0 + FRUITLESS_SLOWING * self.fruitless)
         return earned >= loss and earned * self._probe_share() >= loss
 
     def _probe_share(self) -> float:
@@ -767,6 +794,13 @@ class DraftLengthPolicy:
         generation), not a switch's price."""
         self.chosen[k] += 1
         self.costs.rounds += 1
+        probe = self.probe
+        if probe is not None:  # a budgeted probe: its look (catch-up) or drafting has begun
+            probe.begun = probe.begun or catch_up > 0 or k > 0
+            if k > 0:
+                probe.drafted.add(k)
+            elif probe.begun:  # (a pipelined plain round may come before its look)
+                self._end_probe()
         if k > 0:
             self.retime = max(0, self.retime - 1)
         elif catch_up > 0:  # the look a re-time waited for chose plain decoding. Not any plain
@@ -811,6 +845,31 @@ class DraftLengthPolicy:
                 self._book_stretch()  # the first estimate at once: nothing is chosen without it
             return
         self._book(k, seconds, 1)
+
+    def _drafting_pays(self) -> bool:
+        """Whether a drafting k timed here beats plain decoding at the posterior means."""
+        ratios = self._ratios()
+        alphas = self.acceptance_means()
+        return any(self.expected_tokens(alphas, k) > ratio for k, ratio in ratios.items())
+
+    def _ratios(self) -> dict[int, float]:
+        """R(k) / R(0) of each drafting k timed here (empty before R(0) is)."""
+        plain = self.round_seconds.get(0, 0.0) if 0 in self.costs.here else 0.0
+        return {k: self.round_seconds[k] / plain for k in self.costs.here - {0}} if plain else {}
+
+    def _end_probe(self) -> None:
+        """A budgeted probe is over (its look chose plain decoding, or drafting stopped, or the
+        generation ended): it found nothing new where drafting does not pay at the means now
+        (`_drafting_pays`: not on its rounds' own luck, three rounds of k = 1 at acceptance 0.6
+        all accepted one time in five) and the cost of each k it drafted is within PROBE_CHANGE
+        of what it was. Those count in a row (up to FRUITLESS_CAP) and slow the next probes;
+        one that found drafting paying or a cost moved starts the count again."""
+        probe, self.probe = self.probe, None
+        paid = self._drafting_pays()
+        now = self._ratios()
+        moved = any(k in now and k in probe.ratios
+                    and abs(now[k] / probe.ratios[k] - 1.0) > PROBE_CHANGE for k in probe.drafted)
+        self.fruitless = 0 if paid or moved else min(FRUITLESS_CAP, self.fruitless + 1)
 
     def observe(self, evidence: list[float]) -> None:
         """Book the evidence of a draft's catch-up: per token it was fed, the probability that a
