@@ -651,6 +651,34 @@ def auto_replay(r: dict) -> list[str]:
     return lines
 
 
+def auto_ab(r: dict) -> list[str]:
+    s = r["settings"]
+    (constant, value_b), = s["set"].items()
+    value_a = s["checkout"][constant]
+    kind = "fresh (each auto's policy cleared first)" if s["fresh"] else (
+        "warm (each auto's policy trained by two generations of every prompt first)")
+    m = r["machine"]
+    cells = [("auto", value_a, r["auto_vs_plain"]), ("auto, B", value_b, r["auto_b_vs_plain"])]
+    lines = [
+        f"**k=\"auto\" with one policy setting changed, paired** (`python bench/auto_ab.py --set "
+        f"{constant}={value_b:g} --temp {s['temp']:g} --draft \"{s['draft']}\" --rounds "
+        f"{s['rounds']}`; demo pair, {s['dtype']}, {len(s['prompts'])} prompts in turn x "
+        f"{s['max_tokens']} tokens, {s['rounds']} rounds of plain decoding and the two autos in "
+        f"shuffled order, {kind}; {m['device']}, BLAS: {m['blas']}; [json](results/auto_ab.json), "
+        "[plot](results/auto_ab.png)). Tokens/s over plain decoding, means, with 95% bootstrap "
+        "intervals.",
+        "",
+        f"| contender | {constant} | / plain |",
+        "| --- | --- | --- |",
+    ]
+    for name, value, cell in cells:
+        lo, hi = cell["ci95"]
+        lines.append(f"| {name} | {value:g} | {cell['ratio']:.3f} [{lo:.3f}, {hi:.3f}] |")
+    lo, hi = r["auto_vs_auto_b"]["ci95"]
+    lines.append(f"| auto / auto, B | | {r['auto_vs_auto_b']['ratio']:.3f} [{lo:.3f}, {hi:.3f}] |")
+    return lines
+
+
 def sampled_bound(r: dict) -> list[str]:
     s = r["settings"]
     lines = [
@@ -700,6 +728,7 @@ def main() -> None:
         ("auto_warm_policy", auto_fresh_policy),
         ("auto_budget", auto_budget),
         ("auto_replay", auto_replay),
+        ("auto_ab", auto_ab),
         ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
