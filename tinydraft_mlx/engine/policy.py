@@ -846,9 +846,9 @@ class DraftLengthPolicy:
             return
         self._book(k, seconds, 1)
 
-    def _drafting_pays(self) -> bool:
-        """Whether a drafting k timed here beats plain decoding at the posterior means."""
-        ratios = self._ratios()
+    def _drafting_pays(self, ratios: dict[int, float]) -> bool:
+        """Whether a drafting k timed here beats plain decoding at the posterior means, at its
+        R(k) / R(0) in `ratios` (`_ratios`)."""
         alphas = self.acceptance_means()
         return any(self.expected_tokens(alphas, k) > ratio for k, ratio in ratios.items())
 
@@ -865,8 +865,8 @@ class DraftLengthPolicy:
         of what it was. Those count in a row (up to FRUITLESS_CAP) and slow the next probes;
         one that found drafting paying or a cost moved starts the count again."""
         probe, self.probe = self.probe, None
-        paid = self._drafting_pays()
         now = self._ratios()
+        paid = self._drafting_pays(now)
         moved = any(k in now and k in probe.ratios
                     and abs(now[k] / probe.ratios[k] - 1.0) > PROBE_CHANGE for k in probe.drafted)
         self.fruitless = 0 if paid or moved else min(FRUITLESS_CAP, self.fruitless + 1)
