@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from auto import FRESH_TOKENS, WARM_TEXTS, cold, trace_shapes
+from auto import FRESH_TOKENS, WARM_TEXTS, _auto_ratios, cold, trace_shapes
 from common import machine, model_dtype, pyplot, save
 from oracle_draft import OracleDraft
 
@@ -54,18 +54,15 @@ def parse_setting(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"--set: {value!r} is not a number") from None
 
 
-def bootstrap(runs: dict[str, list[float]], a: str, b: str) -> dict:
-    """mean(a) / mean(b) and its 95% interval, rounds resampled (2000 draws)."""
-    rounds = len(runs[a])
-    rng = random.Random(0)
-    draws = []
-    for _ in range(2000):
-        picks = [rng.randrange(rounds) for _ in range(rounds)]
-        draws.append(statistics.fmean(runs[a][i] for i in picks)
-                     / statistics.fmean(runs[b][i] for i in picks))
-    draws.sort()
-    return {"ratio": statistics.fmean(runs[a]) / statistics.fmean(runs[b]),
-            "ci95": [draws[50], draws[1949]]}
+def ratios(runs: dict[str, list[float]]) -> dict[str, dict]:
+    """The report's three ratios of means with their 95% bootstrap intervals (bench/auto.py's
+    `_auto_ratios`: rounds resampled, 2000 draws)."""
+    rounds = len(runs["plain"])
+    (a_plain, a_b), (a_plain_95, a_b_95) = _auto_ratios(runs, ["auto, B"], rounds, "auto")
+    (b_plain, _), (b_plain_95, _) = _auto_ratios(runs, ["auto"], rounds, "auto, B")
+    return {"auto_vs_plain": {"ratio": a_plain, "ci95": a_plain_95},
+            "auto_b_vs_plain": {"ratio": b_plain, "ci95": b_plain_95},
+            "auto_vs_auto_b": {"ratio": a_b, "ci95": a_b_95}}
 
 
 def main() -> None:
@@ -134,9 +131,7 @@ def main() -> None:
         "machine": machine(),
         "tok_s": {name: statistics.fmean(v) for name, v in runs.items()},
         "runs": runs,
-        "auto_vs_plain": bootstrap(runs, "auto", "plain"),
-        "auto_b_vs_plain": bootstrap(runs, "auto, B", "plain"),
-        "auto_vs_auto_b": bootstrap(runs, "auto", "auto, B"),
+        **ratios(runs),
     }
     print({k: v for k, v in report.items() if k not in ("runs", "machine")}, flush=True)
     save(report, args.name, plot)
