@@ -19,7 +19,6 @@ import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload prec
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from common import machine, pyplot, save
 
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.check import forward_ms, leviathan
-from tinydraft_mlx.engine.distributed import ranks_of
+from tinydraft_mlx.engine.distributed import free_ports, ranks_of
 
 SHAPES = Path.home() / ".cache" / "tinydraft-mlx" / "shapes"
 NS = [1, 2, 3, 5]
@@ -74,19 +73,13 @@ def measure(target: str | None, draft: str | None, distributed: bool, speed: boo
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def on_two_ranks(args: list[str]) -> dict:
     out = Path(f"/tmp/tinydraft-distributed-{os.getpid()}.json")
     launcher = str(Path(sys.executable).with_name("mlx.launch"))
     # one BLAS thread per rank: the ranks share this machine's cores, and MKL's default threads
     # spin against the other rank's (measured: 7x slower decoding)
     cmd = [launcher, "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--starting-port",
-           str(free_port()), "--env", "MKL_NUM_THREADS=1", "--env", "OMP_NUM_THREADS=1",
+           str(free_ports(2)), "--env", "MKL_NUM_THREADS=1", "--env", "OMP_NUM_THREADS=1",
            sys.executable, __file__, "--rank-worker", str(out), *args]
     subprocess.run(cmd, check=True, cwd=Path(__file__).parent, timeout=1800)
     result = json.loads(out.read_text())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 
 from tests.distributed_worker import LOOKUP, PROMPT, N
 from tinydraft_mlx import generate
+from tinydraft_mlx.engine.distributed import free_ports
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
@@ -35,33 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _launcher() -> str | None:
     found = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
     return found if Path(found).exists() else None
-
-
-def _free_ports(count: int = 2) -> int:
-    """A starting port whose `count` ports (mlx.launch gives rank r starting port + r) are all
-    free now, drawn below the kernel's ephemeral range: a port the OS handed out (bind to port 0)
-    sits in that range, where the next one may be any client connection's (a CI run failed on
-    rank 1's "Couldn't bind socket (error: 98)")."""
-    low = 32768
-    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    if ranges.is_file():
-        low = int(ranges.read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        start = rng.randrange(max(1024, low - 12000), low - count)
-        held = []
-        try:
-            for port in range(start, start + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return start
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found below {low}")
 
 
 BIND_FAILED = "Couldn't bind socket"
@@ -75,7 +48,7 @@ def launch(*args: str, timeout: float = 240,
     machine's, never the product's failure."""
     for _attempt in range(1 if port is not None else 3):
         cmd = [_launcher(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-               "--starting-port", str(port if port is not None else _free_ports(2)),
+               "--starting-port", str(port if port is not None else free_ports(2)),
                "--env", "MKL_NUM_THREADS=1", "--env", "OMP_NUM_THREADS=1", sys.executable,
                *args]  # ranks share the cores: 1 BLAS thread
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
@@ -167,7 +140,7 @@ def test_a_port_in_use_is_a_clear_error(ranks_work):
     """Rank 1's port is taken: the CLI says why on that rank and how to pick other ports, with no
     traceback (MLX's RuntimeError from deep inside `mx.distributed.init`), and nothing is
     printed as generated."""
-    start = _free_ports(2)
+    start = free_ports(2)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", start + 1))
         busy.listen()

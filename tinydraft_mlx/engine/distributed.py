@@ -19,7 +19,10 @@ with an error); `mlx.launch` ends the other ranks when one exits with an error.
 
 from __future__ import annotations
 
+import random
+import socket
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -103,3 +106,31 @@ def join() -> Ranks:
                          "with mlx.launch (e.g. mlx.launch --backend ring --hosts 127.0.0.1 -n 2 "
                          "python -m tinydraft_mlx.generate --distributed ...)")
     return Ranks(group)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """A starting port for `mlx.launch --starting-port` on this machine: `count` consecutive
+    ports (the ring gives rank r the starting port + r) all free now, drawn below the kernel's
+    ephemeral range. A port the OS hands out (a bind to port 0) sits in that range, where the
+    port after it may be any client connection's: a CI run's rank 1 failed with "Couldn't bind
+    socket (error: 98)" so. RuntimeError where none is found."""
+    low = 32768  # Linux's default start of the range (macOS's is 49152)
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if ranges.is_file():
+        low = int(ranges.read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(max(1024, low - 12000), low - count)
+        held = []
+        try:
+            for port in range(start, start + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind((host, port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found below {low}")
