@@ -138,8 +138,8 @@ def test_cli_distributed_prints_once(ranks_work, demo):
 
 def test_a_port_in_use_is_a_clear_error(ranks_work):
     """Rank 1's port is taken: the CLI says why on that rank and how to pick other ports, with no
-    traceback (MLX's RuntimeError from deep inside `mx.distributed.init`), and nothing is
-    printed as generated."""
+    traceback (MLX's RuntimeError from deep inside `mx.distributed.init`), and exits with the
+    CLI's status for bad input."""
     start = free_ports(2)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", start + 1))
