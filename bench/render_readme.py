@@ -541,14 +541,18 @@ def auto_fresh(r: dict) -> list[str]:
 def auto_fresh_policy(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     names = list(r["cells"][0]["tok_s"])
-    name = "auto_warm_policy" if s.get("warm") else "auto_fresh_policy"
+    every = not s.get("warm") and len(s["prompts"]) > 1  # `--fresh-prompts`
+    name = ("auto_warm_policy" if s.get("warm") else "auto_fresh_prompts" if every else
+            "auto_fresh_policy")
     what = (f"a warm policy, in one process** (`python bench/auto.py --warm-policy`; demo pair, "
             f"{s['dtype']}, {len(s['prompts'])} prompts in turn x {s['max_tokens']} tokens, "
             f"{s['rounds']} rounds of every contender in shuffled order, the pair's policy kept "
             "from two earlier generations of each prompt on" if s.get("warm") else
-            f"a fresh policy, in one process** (`python bench/auto.py --fresh-policy`; demo pair, "
-            f"{s['dtype']}, one prompt x {s['max_tokens']} tokens, {s['rounds']} rounds of every "
-            "contender in shuffled order, the policy cleared before each auto generation")
+            f"a fresh policy, in one process** (`python bench/auto.py "
+            f"{'--fresh-prompts' if every else '--fresh-policy'}`; demo pair, {s['dtype']}, "
+            + (f"{len(s['prompts'])} prompts in turn, one a round," if every else "one prompt x")
+            + f" {s['max_tokens']} tokens, {s['rounds']} rounds of every contender in shuffled "
+            "order, the policy cleared before each auto generation")
     file = "file" in r["cells"][0]
     if file:
         what += ("; \"auto, file\": a new process's policy (nothing in memory) that reads the "
@@ -725,6 +729,7 @@ def main() -> None:
         ("auto_shapes", auto),
         ("auto_fresh", auto_fresh),
         ("auto_fresh_policy", auto_fresh_policy),
+        ("auto_fresh_prompts", auto_fresh_policy),
         ("auto_warm_policy", auto_fresh_policy),
         ("auto_budget", auto_budget),
         ("auto_replay", auto_replay),
