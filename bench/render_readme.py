@@ -655,6 +655,40 @@ def auto_replay(r: dict) -> list[str]:
     return lines
 
 
+def auto_bounds(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    gain = r.get("first_rounds_gain")
+    lines = [
+        f"**What a fresh k=\"auto\" generation could reach on the fresh T = 0 bar's prompt** "
+        f"(`python bench/auto_bounds.py`; demo pair, {s['dtype']}, greedy, one prompt x "
+        f"{s['max_tokens']} tokens, {s['rounds']} rounds of every contender in shuffled order, "
+        "fresh policies; forced: the policy's choices replaced, the loop as in any auto "
+        f"generation; tokens/s from the call to the last token, means; {m['device']}, BLAS: "
+        f"{m['blas']}; [json](results/auto_bounds.json), [plot](results/auto_bounds.png)). In "
+        "brackets: 95% bootstrap intervals.",
+        "",
+        "| contender | / plain | / fixed k = 2 |",
+        "| --- | --- | --- |",
+    ]
+    what = {"auto, plain": "auto, forced plain", "auto, k=2": "auto, forced k = 2",
+            "prescient": f"auto, forced plain to token {s['prescient']}, then k = 2",
+            "first rounds": f"auto, forced: {s['first_plain']} plain rounds, "
+                            f"{s['first_rounds']} of k = 2, then plain"}
+    for name, c in r["cells"].items():
+        (lo, hi), (klo, khi) = c["vs_plain_95"], c["vs_k2_95"]
+        lines.append(f"| {what.get(name, name)} | {c['vs_plain']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                     f"{c['vs_k2']:.3f} [{klo:.3f}, {khi:.3f}] |")
+    windows = " ".join(f"{w:.2f}" for w in r["acceptance_windows"])
+    lines += ["", "The draft's first-position acceptance along the text, per "
+              f"{s['window']} tokens: {windows}."]
+    if gain:
+        lines[-1] += (f" k = 2's gain over plain decoding as its first {s['first_rounds']} rounds "
+                      f"tell it (their tokens a round times R(0) / R(2)): median "
+                      f"{gain['median']:.3f} (sd {gain['sd']:.3f}), below 1 in "
+                      f"{gain['below_1']:.0%} of the generations.")
+    return lines
+
+
 def auto_ab(r: dict) -> list[str]:
     s = r["settings"]
     (constant, value_b), = s["set"].items()
@@ -733,6 +767,7 @@ def main() -> None:
         ("auto_warm_policy", auto_fresh_policy),
         ("auto_budget", auto_budget),
         ("auto_replay", auto_replay),
+        ("auto_bounds", auto_bounds),
         ("auto_ab", auto_ab),
         ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
