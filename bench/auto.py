@@ -45,9 +45,10 @@ CLI runs do.
     python bench/auto.py --fresh-prompts [ROUNDS]          # 30 rounds: ~8 minutes
 
 The same with every prompt of bench.py's PROMPTS in turn (`--fresh-prompts`), one per round: the
-bar above is one prompt's, whose draft's acceptance rises from ~0.6 over its first 64 tokens to
-~0.83 over the last 64, and a fresh generation's verdict on other texts (nothing pays on most of
-them at these round costs) is what a user's first runs get; results/auto_fresh_prompts.*.
+bar above is one prompt's, whose draft's acceptance rises from ~0.65 over its first 64 tokens to
+~0.83 over the last 64, and a fresh generation's verdict on other texts (nothing paid on most of
+them in 2026-12's runs, R(1) / R(0) ~2) is what a user's first runs get;
+results/auto_fresh_prompts.*.
 
     python bench/auto.py --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
 
