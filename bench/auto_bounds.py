@@ -40,8 +40,9 @@ from tinydraft_mlx import active_blas, load_models
 from tinydraft_mlx.engine import policy as policy_module
 
 PRESCIENT = 64  # tokens decoded plainly before "prescient" drafts k = 2
-FIRST_PLAIN = 9  # plain rounds before "first rounds" drafts (a fresh policy's first look: 8)
-FIRST_ROUNDS = 15  # its rounds of k = 2 (a full window of a k's timings: policy.RECENT)
+FIRST_PLAIN = policy_module.FIRST_LOOK + 1  # plain rounds before "first rounds" drafts (as a
+# fresh policy's first look falls)
+FIRST_ROUNDS = policy_module.RECENT  # its rounds of k = 2: a full window of a k's timings
 WINDOW = 16  # tokens per acceptance window
 NAMES = ("plain", "k=1", "k=2", "auto", "auto, plain", "auto, k=2", "prescient", "first rounds")
 
