@@ -1015,10 +1015,10 @@ class DraftLengthPolicy:
         the ratio the latest full window measured (`RoundCosts.hope`, here or in the policy
         file). A k's first rounds after a switch are its dearest (the draft cold after plain
         rounds, no step ahead after a rejection: 15-25% above a run's on the demo pair, CPU), and
-        a fresh process judged
-        k = 1 on three of them: 1.9x a plain round where a run of it costs 1.4-1.5x; with the
-        policy file (whose cost the first timing replaced) 16 of 32 fresh processes then
-        decoded most of their 128 tokens plainly where k = 1 paid, 3 of 32 with this bound.
+        a fresh process judged k = 1 on three of them: 1.9x a plain round where a run of it
+        costs 1.4-1.5x; with the policy file (whose cost the first timing replaced) 16 of 32
+        fresh processes then decoded most of their 128 tokens plainly where k = 1 paid, 3 of 32
+        with this bound.
         Only ever lower: a file that says drafting is dearer than this process finds never
         keeps it plain (a process that does not draft never times a drafting round), and one
         that says cheaper costs at most RECENT rounds before this process's own median
