@@ -78,7 +78,7 @@ from tinydraft_mlx.engine import policy as policy_module
 
 def cold() -> None:
     """Forget every pair's shared policy: the next k="auto" generation starts from scratch."""
-    policy_module._SHARED.clear()
+    policy_module._PAIRS.clear()
 
 
 def trace_shapes(target, model, tok, ids: list[int], temp: float, **sampling) -> None:

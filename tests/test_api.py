@@ -252,7 +252,7 @@ def test_k_defaults_to_auto_in_every_entry_point():
     import inspect
 
     from tinydraft_mlx import cli, server
-    from tinydraft_mlx.engine.batch import BatchDecoder
+    from tinydraft_mlx.engine.rounds import BatchDecoder
     from tinydraft_mlx.engine.speculative import decode
     from tinydraft_mlx.serving.service import Defaults
 

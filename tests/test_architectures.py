@@ -20,9 +20,9 @@ from tests.fixtures import FAMILIES, GEMMA_WINDOW, VOCAB, build_family_pair, bui
 from tests.reference import check_first_two_tokens, two_step_joint
 from tinydraft_mlx import PromptCache, batch_generate, generate, load_models
 from tinydraft_mlx.engine import cache as cache_module
-from tinydraft_mlx.engine.batch import BatchDecoder
 from tinydraft_mlx.engine.cache import RollbackRotatingKVCache, make_cache
 from tinydraft_mlx.engine.forward import SUPPORTED, traces
+from tinydraft_mlx.engine.rounds import BatchDecoder
 from tinydraft_mlx.loading import ModelLoadError, load_model
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tests.scripted import scripted
 from tests.test_api import PENALTIES, _reference_with_processors
 from tinydraft_mlx import (
     BatchDecoder,
@@ -390,17 +391,7 @@ def test_auto_rows_count_their_catch_ups(pair, refs, monkeypatch):
     statistics, as the one-sequence loop counts its own, and not timed (the batch's round is one
     graph); a plain row counts none. The schedule: 5 plain rounds, then 2 drafting (the draft,
     prefilled with the prompt, has then missed at least 3 tokens: a catch-up every time)."""
-    import tinydraft_mlx.engine.batch as batch
-
-    picks: list[int] = []
-    schedule = (0, 0, 0, 0, 0, 2, 2)
-
-    def scripted(costs, policies, limit):  # one call per round, in order (no one joins)
-        k = min(schedule[len(picks) % len(schedule)], limit)
-        picks.append(k)
-        return k
-
-    monkeypatch.setattr(batch, "choose_for_batch", scripted)
+    calls = scripted(monkeypatch, (0, 0, 0, 0, 0, 2, 2))  # one call per round, in order
     target, draft, _ = pair
     decoder = BatchDecoder(target, draft)
     auto = [decoder.insert(refs[i][0], draft="model", k="auto", max_tokens=NEW) for i in (0, 2)]
@@ -414,7 +405,7 @@ def test_auto_rows_count_their_catch_ups(pair, refs, monkeypatch):
     for uid, i in zip(auto, (0, 2)):
         assert out[uid] == refs[i][1]
         stats = last[uid]
-        rounds = picks[: stats.rounds]  # the row's rounds (both rows were there from the first)
+        rounds = [k for _, k in calls][: stats.rounds]  # both rows were there from the first
         switches = sum(1 for a, b in zip(rounds, rounds[1:]) if a == 0 and b > 0)
         assert switches >= 2 and stats.catch_ups == switches, (rounds, stats.catch_ups)
         assert stats.catch_up_seconds == 0.0

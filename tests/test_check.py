@@ -8,7 +8,8 @@ import json
 import mlx.core as mx
 import pytest
 
-import tinydraft_mlx.engine.speculative as spec
+import tinydraft_mlx.engine.acceptance as acceptance
+import tinydraft_mlx.engine.rounds as rounds
 from tinydraft_mlx.check import P_FAIL, main
 from tinydraft_mlx.engine.rejection import _leading_true, _pad_vocab
 
@@ -31,12 +32,23 @@ def correction_from_p(p, q, draft_tokens, key):
     return n, mx.random.categorical(mx.log(row), key=sample_key).astype(mx.int32)
 
 
+def correction_from_p_rows(p, q, draft_tokens, lengths, keys):
+    """rejection.speculative_accept_rows with the same bug, row by row."""
+    if isinstance(keys, mx.array):
+        keys = list(mx.random.split(keys, len(lengths)))
+    out = [correction_from_p(p[b : b + 1, : n + 1], q[b : b + 1, :n],
+                             draft_tokens[b : b + 1, :n], key)
+           for b, (n, key) in enumerate(zip(lengths, keys))]
+    return mx.concatenate([n for n, _ in out]), mx.concatenate([t for _, t in out])
+
+
 def one_too_many(target_argmax, draft_tokens):
     """The greedy rule keeping the first rejected draft as well."""
-    k = draft_tokens.shape[-1]
-    n = _leading_true(draft_tokens.astype(mx.int32) == target_argmax[:, :k].astype(mx.int32))
-    n = mx.minimum(n + 1, k)
-    return n, mx.take_along_axis(target_argmax, n[:, None], axis=-1)[:, 0].astype(mx.int32)
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    n = min(n + 1, len(draft_tokens))
+    return n, target_argmax[n]
 
 
 @pytest.fixture
@@ -67,7 +79,7 @@ def test_fixtures_with_several_drafts(checkpoints, pair, report_file, tmp_path, 
 
     policy_file = tmp_path / "policies.json"
     monkeypatch.setenv("TINYDRAFT_POLICY_FILE", str(policy_file))
-    monkeypatch.setattr(policy, "_SHARED", {})
+    monkeypatch.setattr(policy, "_PAIRS", {})
     assert main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
                  "--draft", "prompt-lookup", "--draft", "none", "--quick", "--top-p", "0.9",
                  "--json", str(report_file)]) == 0
@@ -90,32 +102,25 @@ def test_fixtures_with_several_drafts(checkpoints, pair, report_file, tmp_path, 
     assert len(entries) == 2  # the draft model and prompt lookup; plain decoding has none
     target, draft, _ = pair  # the same checkpoints: the same fingerprints
     model_entry = entries[policy_store.pair_key(target, draft)]
-    costs = model_entry["costs"]
-    assert set(costs["round_seconds"]) == {"0", "1", "2", "4", "8"}
+    costs = model_entry["costs"]["1"]  # one sequence's rounds
+    assert set(costs) == {"0", "1", "2", "4", "8"}
     per_k = report["drafts"][0]["greedy"]["per_k"]
     for k in ("1", "2", "4", "8"):
-        assert costs["round_seconds"][k] == pytest.approx(per_k[k]["round_ms"] / 1000)
-        assert costs["timed"][k] == per_k[k]["rounds"] > 0
-        # a k timed over a full window: its ratio to a plain round, which a new process's first
-        # timings of it are judged against (`_drafting_cost`)
-        if per_k[k]["rounds"] >= policy.RECENT:
-            assert costs["hope"][k] == pytest.approx(costs["round_seconds"][k]
-                                                     / costs["round_seconds"]["0"])
-        else:
-            assert k not in costs["hope"]
-    assert costs["hope"]  # the quick check times some k over a full window
+        assert costs[k] and costs[k][-1] == pytest.approx(per_k[k]["round_ms"] / 1000)
+        assert len(costs[k]) == min(per_k[k]["rounds"], policy.RECENT) > 0
     greedy = model_entry["regimes"]["[0.0, 1.0, 0, 0.0]"]
     assert greedy["accepted"][0] == sum(per_k[k]["position_accepted"][0] for k in per_k)
     assert len(model_entry["regimes"]) == 2  # greedy and the check's top-p 0.9
     # a new process (no pair in memory) starts from the entry
-    monkeypatch.setattr(policy, "_SHARED", {})
-    fresh = policy.shared_policy(target, draft, 0.25, (0.0, 1.0, 0, 0.0))
-    assert fresh.round_seconds == {int(k): v for k, v in costs["round_seconds"].items()}
-    assert fresh.accepted[0] > 0
+    monkeypatch.setattr(policy, "_PAIRS", {})
+    fresh = policy.shared_policy(target, draft)
+    assert fresh.round_costs(1).cost(2) == pytest.approx(per_k["2"]["round_ms"] / 1000)
+    assert fresh.acceptance((0.0, 1.0, 0, 0.0)).accepted[0] > 0
 
 
 def test_a_correction_from_p_fails_the_sampling_check(monkeypatch, report_file, capsys):
-    monkeypatch.setattr(spec, "speculative_accept", correction_from_p)
+    monkeypatch.setattr(acceptance, "speculative_accept", correction_from_p)
+    monkeypatch.setattr(acceptance, "speculative_accept_rows", correction_from_p_rows)
     assert main(["--quick", "--json", str(report_file)]) == 1
     report = json.loads(report_file.read_text())
     assert report["greedy_identical"]  # greedy does not use the stochastic rule
@@ -139,7 +144,7 @@ def sampling_passes(monkeypatch):
 
 def test_one_draft_too_many_fails_the_greedy_check(monkeypatch, report_file, capsys,
                                                    sampling_passes):
-    monkeypatch.setattr(spec, "greedy_accept", one_too_many)
+    monkeypatch.setattr(rounds, "greedy_accept_ids", one_too_many)
     assert main(["--quick", "--json", str(report_file)]) == 1
     report = json.loads(report_file.read_text())
     assert not report["greedy_identical"]

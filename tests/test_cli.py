@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.scripted import ScriptedPolicy
+from tests.scripted import scripted
 from tinydraft_mlx.cli import main
 
 
@@ -24,19 +24,11 @@ EDITING = (
 )
 
 
-class _Scripted(ScriptedPolicy):
-    """A k="auto" policy playing a fixed schedule, so the test does not depend on timings."""
-
-    SCHEDULE = (0, 2, 1)
-
-
 def test_cli_auto_k_reaches_the_policy(checkpoints, capsys, monkeypatch):
     """`-k auto` hands every round's k to the policy (here a scripted one: the real policy's
     choices depend on this machine's timings, see test_policy): the summary's histogram shows
     the scripted k values."""
-    import tinydraft_mlx.engine.speculative as spec
-
-    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: _Scripted())
+    scripted(monkeypatch, (0, 2, 1))
     code = main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
                  "-k", "auto", "--prompt", "def parse_args(", "--max-tokens", "40",
                  "--verbose"])

@@ -21,9 +21,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.ahead import record_chains
 from tests.reference import chi2_statistic, chi2_threshold, two_step_joint, windowed_logits
-from tests.scripted import ScriptedPolicy
+from tests.scripted import scripted
 from tinydraft_mlx import Hybrid, PromptCache, generate
 from tinydraft_mlx.engine.drafters import draft_model
 
@@ -32,16 +31,6 @@ pytestmark = pytest.mark.usefixtures("cpu_fp32")
 N = 2500
 PROMPT = "def parse_args(self, args=None):"
 WINDOW = 12  # max_kv_size of the bounded case; its prompt is longer
-
-
-class _PlainThenOne(ScriptedPolicy):
-    """k="auto" schedule for the test: after the first round (plain: k="auto" starts its draft
-    once the first token is out), k = 1 (what the real policy does on most machines, but not on
-    all: this makes it certain)."""
-
-    def choose(self, limit, caught_up=False):
-        self.rounds += 1
-        return min(1, limit)
 
 
 def _case(name, pair, oracle, load):
@@ -70,9 +59,7 @@ def _case(name, pair, oracle, load):
                                      "bounded"])
 @pytest.mark.parametrize("warp_kw", [dict(temperature=1.0, top_p=0.8)])
 def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, monkeypatch):
-    import tinydraft_mlx.engine.speculative as spec
-
-    monkeypatch.setattr(spec, "shared_policy", lambda *args, **kwargs: _PlainThenOne())
+    scripted(monkeypatch, (1,))  # k="auto" drafting k = 1 (what the policy may well choose)
     target, _, tok = pair
     draft, k, ids = _case(drafter, pair, oracle, load)
     bounded = drafter == "bounded"
@@ -108,47 +95,3 @@ def test_same_seed_same_output_and_seeds_differ(pair):
             for s in (11, 11, 12)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
-
-
-def test_a_draft_step_run_ahead_keeps_the_distribution(pair, oracle, monkeypatch):
-    """k = 1 at temperature 1, top-k 3, every drafting round queuing the next round's first
-    draft step behind its verify (`ModelDraft.ahead`, forced here). The first round drafts t1;
-    where it was accepted whole (t1 and the bonus t2), the second round's first draft step ran
-    ahead, so given (t1, t2) the pair (t3, t4) must follow the oracle's exact two-step joint
-    after them, whether the token drawn from it was accepted or not (both paths are required).
-    Pooled over every prefix seen at least 30 times: the sum of the per-prefix chi-squares
-    against the Wilson-Hilferty 1 - 3.2e-5 quantile of their summed degrees of freedom; the same
-    samples against the joints without top-k must exceed it. (Fails where the token is drawn
-    from the logits run ahead but its q taken from the row before them.)"""
-    import tinydraft_mlx.engine.speculative as spec
-
-    monkeypatch.setattr(spec, "AHEAD_MIN", 0.0)
-    chains = record_chains(monkeypatch)
-    target, draft, tok = pair
-    ids = tok.encode(PROMPT)
-    cache = PromptCache(target, draft_model(draft))
-    samples, paths = [], Counter()
-    for seed in range(2000):
-        chains.clear()
-        out, _ = generate(target, draft, tok, ids, k=1, max_tokens=4, seed=seed, top_k=3,
-                          temperature=1.0, prompt_cache=cache)
-        if len(chains) > 1 and chains[1][0]:  # the second round's first step ran ahead
-            samples.append(tuple(out))
-            paths[out[2] == chains[1][1]] += 1  # the token drawn from it, accepted or not
-    assert paths[True] > 0 and paths[False] > 0, paths
-    prefixes = Counter(s[:2] for s in samples)
-    stats = {"exact": [0.0, 0], "wrong": [0.0, 0]}
-    used = 0
-    for prefix, m in prefixes.items():
-        if m < 30:
-            continue
-        used += m
-        counts = Counter(s[2:4] for s in samples if s[:2] == prefix)
-        for name, kw in [("exact", dict(top_k=3)), ("wrong", {})]:
-            joint = two_step_joint(oracle.logits, ids + list(prefix), temperature=1.0, **kw)
-            stat, df = chi2_statistic(counts, joint, m)
-            stats[name][0] += stat
-            stats[name][1] += df
-    assert used > 1000, (used, len(samples))
-    assert stats["exact"][0] < chi2_threshold(stats["exact"][1]), stats
-    assert stats["wrong"][0] > chi2_threshold(stats["wrong"][1]), stats

@@ -6,12 +6,11 @@ preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
 from .api import generate, stream_generate
 from .batching import batch_generate
-from .engine.batch import BatchDecoder, Finished
 from .engine.drafters import Hybrid
 from .engine.lookup import PromptLookup
 from .engine.policy import DraftLengthPolicy
+from .engine.rounds import BatchDecoder, Finished, Token
 from .engine.sampling import ParameterError, SamplingParams, warp
-from .engine.speculative import Token
 from .engine.stats import GenerationStats
 from .loading import ModelLoadError, load_models
 from .prompt_cache import PromptCache, PromptCacheError

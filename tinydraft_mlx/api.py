@@ -16,12 +16,13 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from .engine.cache import KEEP, Cache, cache_length, make_cache
-from .engine.drafters import Drafter, max_draft_length, resolve_drafter
+from .engine.drafters import Source, resolve_drafter
 from .engine.forward import vocab_width
 from .engine.lookup import PromptLookup
 from .engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
+from .engine.rounds import Progress, Token, max_draft_length
 from .engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
-from .engine.speculative import Progress, Token, decode
+from .engine.speculative import decode
 from .engine.stats import GenerationStats
 from .prompt_cache import PromptCache
 from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
@@ -207,7 +208,7 @@ class Plan:
     """One generation's checked arguments: what the loop (one sequence or a batch) runs."""
 
     ids: list[int]
-    drafter: Drafter
+    drafter: Source
     k: int | str
     k_eff: int  # the most tokens a round may draft
     max_tokens: int

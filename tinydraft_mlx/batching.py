@@ -1,6 +1,6 @@
 """`batch_generate`: many prompts decoded together, speculation on, each exactly as alone.
 
-The text layer over the engine's `BatchDecoder` (engine/batch.py): every prompt is checked as
+The text layer over the engine's `BatchDecoder` (engine/rounds.py): every prompt is checked as
 `generate` checks it (`api._plan`), runs as one sequence of the batch, and goes through the same
 streaming detokenizer and stop strings (`text.responses`) as a single generation; a sequence that
 hits a stop string leaves the batch at once, its caches cut to the tokens emitted.
@@ -17,11 +17,10 @@ from typing import Any
 import mlx.nn as nn
 
 from .api import Plan, _plan, stream_generate
-from .engine.batch import BatchDecoder
 from .engine.cache import cache_length
 from .engine.lookup import PromptLookup
+from .engine.rounds import BatchDecoder, Token
 from .engine.sampling import ParameterError
-from .engine.speculative import Token
 from .engine.stats import GenerationStats
 from .prompt_cache import MARGIN, PromptCache
 from .text import Messages, responses
@@ -67,7 +66,7 @@ def batch_generate(
     max_k = max(p.k_eff for p in plans)
     if bound is not None and caches:
         max_k = MARGIN - 1  # the row layout of a bounded prompt cache's caches
-    decoder = BatchDecoder(target, draft if _drafts_with_model(plans) else None,
+    decoder = BatchDecoder(target, _draft_model(plans),
                            max_kv_size=bound, max_k=max(1, max_k))
     with ExitStack() as held:
         for cache in caches:
@@ -75,8 +74,9 @@ def batch_generate(
         return _run(decoder, plans, tokenizer)
 
 
-def _drafts_with_model(plans: list[Plan]) -> bool:
-    return any(p.drafter.model is not None for p in plans)
+def _draft_model(plans: list[Plan]) -> Any:
+    """The draft model the plans' sources share (None: no source has one)."""
+    return next((p.drafter.model for p in plans if p.drafter.model is not None), None)
 
 
 def _settings(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
@@ -120,8 +120,7 @@ def _run(decoder: BatchDecoder, plans: list[Plan],
         if cache is not None:
             cache.reuse(plan.ids)
             target_cache, draft_cache = cache.target_cache, cache.draft_cache
-        kind = "model" if plan.drafter.model is not None else plan.drafter
-        uid = decoder.insert(plan.ids, draft=kind, k=plan.k, max_tokens=plan.max_tokens,
+        uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.k, max_tokens=plan.max_tokens,
                              sampling=plan.sampling, eos_token_ids=plan.eos,
                              logits_processors=plan.processors, target_cache=target_cache,
                              draft_cache=draft_cache, keep_caches=cache is not None)

@@ -30,11 +30,11 @@ from fastapi import FastAPI
 
 from .api import MAX_DRAFT_TOKENS, check_k
 from .cli import flag_message
-from .engine.batch import unbatchable
 from .engine.cache import KEEP
 from .engine.drafters import HYBRID, resolve_drafter
 from .engine.lookup import NO_DRAFT
 from .engine.policy import DEFAULT_K
+from .engine.rounds import unbatchable
 from .engine.sampling import ParameterError, SamplingParams, check_int
 from .serving import limits
 from .serving.app import create_app

@@ -16,8 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .engine.rounds import Token
 from .engine.sampling import ParameterError
-from .engine.speculative import Token
 from .engine.stats import GenerationStats
 
 Messages = Sequence[dict[str, Any]]

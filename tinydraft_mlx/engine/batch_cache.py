@@ -18,14 +18,22 @@ Rows join from one-sequence caches (`add`, one copy of the batch for all joiners
 (`remove`, the batch's rows copied without it), both between rounds; `extract` gives a row back as
 a one-sequence cache (a `PromptCache` out). Speaks enough of mlx-lm's cache protocol
 (`update_and_fetch`, `offset`, `make_mask`, `state`) for mlx-lm's attention to run on it.
+
+`SingleCache` is the same rows interface for a batch of at most one sequence: it holds that
+sequence's own one-sequence cache as it is (any layer layout: sliding-window layers, a
+tensor-parallel model's; no copy on joining or leaving), and its forward is the one-sequence
+compiled step. The engine runs one sequence (`generate`) on it, and a batch whose models cannot
+share a `BatchCache`.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .cache import KEEP, Cache, RollbackRotatingKVCache
+from .cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, rollback
+from .forward import forward, forward_batch
 
 STEP = 256  # unbounded buffers grow by this many slots
 
@@ -52,6 +60,11 @@ class BatchCache:
     @property
     def bounded(self) -> bool:
         return self.max_kv_size is not None
+
+    def forward(self, model: nn.Module, tokens: mx.array) -> mx.array:
+        """(B, L) ids -> (B, L, V) logits, each row at its own offset; every row advances by L
+        (rows with fewer real tokens are rolled back by the caller)."""
+        return forward_batch(model, tokens, self)
 
     def offsets(self) -> mx.array:
         """(B,) int32: each row's length, where its next token goes."""
@@ -261,3 +274,45 @@ class BatchLayer:
             return
         index = mx.array(rows, dtype=mx.int32)
         self.keys, self.values = self.keys[index], self.values[index]
+
+
+class SingleCache:
+    """The rows interface of `BatchCache` for at most one row, held as a one-sequence cache of
+    any layout (see the module docstring)."""
+
+    bounded = False  # a one-sequence cache takes long writes itself (`forward`)
+
+    def __init__(self) -> None:
+        self.cache: Cache | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.cache is None else 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return [] if self.cache is None else [cache_length(self.cache)]
+
+    @property
+    def layers(self) -> Cache:
+        return self.cache or []
+
+    def forward(self, model: nn.Module, tokens: mx.array) -> mx.array:
+        """(1, L) ids -> (1, L, V) logits; the row advances by L."""
+        return forward(model, tokens, self.cache)
+
+    def rollback(self, keep: list[int]) -> None:
+        (n,) = keep
+        rollback(self.cache, n)
+
+    def add(self, caches: list[Cache]) -> None:
+        if self.cache is not None or len(caches) != 1:
+            raise ValueError(f"a single-sequence batch holds one row (got {len(self)} + "
+                             f"{len(caches)})")
+        self.cache = caches[0]
+
+    def remove(self, rows: list[int]) -> None:
+        if rows:
+            self.cache = None
+
+    def extract(self, index: int) -> Cache:
+        return self.cache

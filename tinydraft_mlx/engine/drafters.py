@@ -1,44 +1,17 @@
-"""Draft sources behind one small protocol, and the one resolver that turns the user's `draft`
+"""Draft sources, batched by construction, and the one resolver that turns the user's `draft`
 argument into one: a draft model (a `PrunedDraft` is one too), prompt lookup, both (`Hybrid`:
 each round from whichever has recently given more tokens per second), or none.
 
-The decode loop asks a `Drafter` for proposals and never what kind it holds:
+Two parts. A row's *source* (`NoDraft`, `LookupDraft`, `ModelDraft`, `HybridDraft`) is the
+per-sequence state: `host_proposal(k)` gives a proposal made on the host (prompt lookup's ids,
+possibly none) or None where the draft model should draft the row; `settle(keep)` ends a round
+(the first `keep` tokens of the sequence are accepted). `Drafting` is the batch's proposer: it
+owns the draft model's caches for every row whose source has the model, and per round makes
+every row's proposal, host ones first, then one batched chain of draft steps for the rest
+(`propose`), and rolls the draft rows back to what was accepted (`commit`). The engine only calls
+`Drafting`; it never asks what kind of source a row has.
 
-- `begin(seq, cache, fill)`: a generation starts on `seq` (the loop's growing list: prompt +
-  emitted); `cache` is the draft model's KV cache (None without a model). A model draft prefills
-  what its cache lacks but the last token, or with `fill` False nothing yet: its first
-  `catch_up` feeds it all it lacks (`k="auto"` starts it when it first drafts or looks);
-  prompt lookup indexes `seq`.
-- `propose(k, sampling, key, history, processors, width)`: up to k tokens (k,) continuing `seq`
-  and, when sampling, their distributions q (k, width) (point masses for a deterministic
-  proposal); fewer (or none) where the source has nothing to offer.
-- `catch_up(predict)`: after plain rounds, feed a model what it missed of `seq`, its last token
-  included, and keep the logits after that last token for the next `propose`'s first step (the
-  catch-up's forward computes them with the rest): (seconds spent, its logits after each of the
-  n <= `predict` tokens before the last, (n, V): rows predicting seq[-n:], evidence for
-  `k="auto"` from the catch-up's own forward); (0.0, None) where at most two tokens were missed
-  (the first draft step feeds those).
-- `beyond()`: after a greedy `propose` whose first step fed the draft two tokens (the previous
-  round's last draft d_k and the target's token after it: that round was accepted whole),
-  whether the draft's argmax after d_k was that token, i.e. whether one more draft position
-  would have been accepted there (evidence for `k="auto"`, from logits the step computed
-  anyway), as a lazy (1,) int32 array (1: it was), which the loop reads with the round's
-  verdict, in one host sync; None otherwise and from drafters without a model.
-- `ahead(last, token)`: queue the forward of the next round's first draft step behind this
-  round's verify, as if the round were accepted whole (`last`: d_k, `token`: the target's token
-  after it, both lazy (1,)); True where something was queued (a model draft), else False. The
-  next `propose` draws its first token from those logits (the same draw, with the same key, as
-  without the step run ahead) where the round was accepted whole and nothing was fed since;
-  `rollback` to fewer tokens than it saw drops it.
-- `rollback(keep)`: forget everything after `keep` tokens of `seq` (the accepted prefix; one
-  more, the target's token, after a round accepted whole whose next step ran ahead).
-- `drafts` (False: plain decoding), `model` (the model whose cache generation and prompt caches
-  keep), `policy_key` (what `k="auto"` keeps its learning under), `name` ("model",
-  "prompt-lookup", "hybrid", "none").
-- `host_proposal(k)`: a proposal made on the host without the model (prompt lookup's), when
-  this round should use one, else None; the batched loop drafts the other rows with the model.
-
-Knows nothing about the loop, text or serving.
+Knows nothing about the round's acceptance, text or serving.
 """
 
 from __future__ import annotations
@@ -46,57 +19,34 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import Cache, cache_length, rollback
-from .forward import forward, model_inputs, prefill
+from .cache import Cache, cache_length
+from .forward import model_inputs, prefill
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
-from .policy import AUTO, AUTO_MAX_K
 from .policy_store import fingerprint
-from .sampling import (
-    ParameterError,
-    Processor,
-    SamplingParams,
-    draw,
-    process_logits,
-)
+from .sampling import ParameterError, Processor, process_logits, sample_rows, warp
 
 MODEL = "model"
 HYBRID = "hybrid"
 
-Proposal = tuple[mx.array, mx.array | None]  # draft ids (k,), their q (k, V) when sampling
 
-
-class Drafter(Protocol):
-    """What the decode loop asks of a draft source, for one generation at a time."""
+class Source(Protocol):
+    """One sequence's draft source (see the module docstring)."""
 
     name: str
-    drafts: bool
-    model: nn.Module | None
-    policy_key: object
+    drafts: bool  # False: plain decoding
+    model: nn.Module | None  # the draft model whose cache the batch keeps for this row
+    policy_key: object  # what k="auto" keeps its learning under
 
-    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None: ...
-
-    def propose(self, k: int, sampling: SamplingParams, key: mx.array | None,
-                history: mx.array | None, processors: Sequence[Processor],
-                width: int | None) -> Proposal: ...
-
-    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]: ...
-
-    def beyond(self) -> mx.array | None: ...
-
-    def ahead(self, last: mx.array, token: mx.array) -> bool: ...
-
-    def rollback(self, keep: int) -> None: ...
+    def begin(self, seq: list[int]) -> None: ...
 
     def host_proposal(self, k: int) -> list[int] | None: ...
 
-
-def _empty() -> Proposal:
-    return mx.zeros((0,), dtype=mx.int32), None
+    def settle(self, keep: int) -> None: ...
 
 
 class NoDraft:
@@ -104,127 +54,38 @@ class NoDraft:
 
     name, drafts, model, policy_key = NO_DRAFT, False, None, None
 
-    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
-        pass
-
-    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
-        return _empty()
-
-    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
-        return 0.0, None
-
-    def beyond(self) -> mx.array | None:
-        return None
-
-    def ahead(self, last, token) -> bool:
-        return False
-
-    def rollback(self, keep: int) -> None:
+    def begin(self, seq: list[int]) -> None:
         pass
 
     def host_proposal(self, k: int) -> list[int] | None:
-        return None
+        return []
+
+    def settle(self, keep: int) -> None:
+        pass
 
 
 class ModelDraft:
-    """A draft model: k single-token steps, queued with `mx.async_eval` (no host sync along the
-    chain), on its own KV cache, which holds a prefix of `seq`."""
+    """A draft model: the batch's chain of draft steps drafts this row every round."""
 
     name, drafts = MODEL, True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = self.policy_key = model
-        self.seq: list[int] = []
-        self.cache: Cache | None = None
-        self._beyond: tuple[mx.array, int] | None = None  # (logits after d_k, the token after)
-        self._ahead: _Ahead | None = None  # the next round's first step, queued (`ahead`)
 
-    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
-        """`cache` None: the model drafts in a batch, on the batch's cache."""
-        self.seq, self.cache, self._ahead = seq, cache, None
-        if cache is not None and fill:
-            prefill(self.model, cache, seq[cache_length(cache) : -1])
-
-    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
-        """The model must have seen all of `seq` but its last 2 tokens (`catch_up` first after
-        plain rounds), or all of it where its first step's forward has run already (`ahead`,
-        `catch_up`)."""
-        self._beyond = None
-        start, self._ahead = self._ahead, None
-        if k == 0:
-            return _empty()
-        held = cache_length(self.cache)
-        if start is not None and not (start.length == held == len(self.seq)):
-            start = None  # tokens since, or the round was not accepted whole
-        # the tokens the first step feeds (or fed, where its forward has run already)
-        unseen = self.seq[held:] if start is None else self.seq[held - start.rows.shape[0] :]
-        drafts, q, after = _draft_chain(self.model, self.cache, unseen, k, sampling, key,
-                                        history, processors, width,
-                                        None if start is None else start.rows)
-        if len(unseen) == 2 and sampling.greedy and not processors:
-            self._beyond = after[-2], unseen[-1]
-        return drafts, q
-
-    def ahead(self, last: mx.array, token: mx.array) -> bool:
-        """Queue the forward of the next round's first draft step behind this round's verify,
-        as if the round were accepted whole: feed the draft d_k (`last`, (1,)) and the target's
-        token after it (`token`, (1,), lazy: the bonus if all k were accepted). The device runs
-        it while the host reads the verdict and books the round; `propose` draws from its
-        logits where the round was accepted whole and nothing has been fed since (what the
-        step would have computed then: same inputs, same cache, same compiled shape), else
-        `rollback` drops it with its two positions. Nothing where the model drafts in a batch
-        (no cache of its own)."""
-        if self.cache is None:
-            return False
-        x = model_inputs(self.model, mx.concatenate([last, token]).astype(mx.int32))
-        rows = forward(self.model, x[None], self.cache)[0]  # (2, Vq)
-        mx.async_eval(rows)
-        self._ahead = _Ahead(cache_length(self.cache), rows)
-        return True
-
-    def beyond(self) -> mx.array | None:
-        """See the module docstring; the argmax of logits the proposal's first step computed,
-        taken only when asked (fixed k never asks), lazily: read on its own after the verify
-        (a second host sync and a graph of its own) it cost 1.7% of a k="auto" generation
-        drafting k = 1 (demo pair, CPU)."""
-        if self._beyond is None:
-            return None
-        logits, following = self._beyond
-        self._beyond = None
-        return (mx.argmax(logits) == following).astype(mx.int32).reshape(1)
-
-    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
-        """Feed the model what it missed (after plain rounds), its last token included, as one
-        prefill, and keep the logits after that last token for the next `propose` (as a step
-        run ahead: its first step then runs no forward); returns the seconds it took (prefill
-        evaluates, so this is device time too) and its logits after each of the `predict`
-        tokens before the last (rows predicting seq[-n:]). Nothing to do (0.0, None) where at
-        most 2 tokens were missed (within a run of drafting rounds: its first step feeds them).
-        A catch-up that left the last token to the first step made that round a run's slowest
-        (demo pair, CPU: 4.1-4.6 ms where a run's k = 1 rounds took 3.1-3.3), and a new pair's
-        cost R(k) was judged on such rounds (`policy.py`)."""
-        unseen = self.seq[cache_length(self.cache) :]
-        if len(unseen) <= 2:
-            return 0.0, None
-        start = time.perf_counter()
-        rows = prefill(self.model, self.cache, unseen, predict=predict + 1)
-        self._ahead = _Ahead(len(self.seq), rows[-1:])
-        return time.perf_counter() - start, rows[:-1] if predict else None
-
-    def rollback(self, keep: int) -> None:
-        if self._ahead is not None and self._ahead.length > keep:
-            self._ahead = None
-        if self.cache is not None:
-            rollback(self.cache, keep)
+    def begin(self, seq: list[int]) -> None:
+        pass
 
     def host_proposal(self, k: int) -> list[int] | None:
         return None
 
+    def settle(self, keep: int) -> None:
+        pass
+
 
 class LookupDraft:
     """Prompt lookup: the continuation of the latest earlier occurrence of the current suffix,
-    from an n-gram index of `seq` (no model, no cache). A deterministic proposal: its q is the
-    point mass on each proposed token."""
+    from an n-gram index of the sequence (no model, no cache). A deterministic proposal: its q is
+    the point mass on each proposed token."""
 
     name, drafts, model = PROMPT_LOOKUP, True, None
 
@@ -233,34 +94,14 @@ class LookupDraft:
         self.policy_key = repr(settings)
         self.index: NgramIndex | None = None
 
-    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
+    def begin(self, seq: list[int]) -> None:
         self.index = self.settings.index(seq)
-
-    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
-        return _host(self.host_proposal(k), sampling, width)
-
-    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
-        return 0.0, None
-
-    def beyond(self) -> mx.array | None:
-        return None
-
-    def ahead(self, last, token) -> bool:
-        return False
-
-    def rollback(self, keep: int) -> None:
-        pass  # the index reads `seq` itself
 
     def host_proposal(self, k: int) -> list[int] | None:
         return self.index.propose(k) if k else []
 
-
-def _host(proposal: list[int], sampling: SamplingParams, width: int | None) -> Proposal:
-    """A host proposal as (ids, q): its q is the point mass on each token."""
-    if not proposal:
-        return _empty()
-    drafts = mx.array(proposal, dtype=mx.int32)
-    return drafts, None if sampling.greedy else point_mass(drafts, width)
+    def settle(self, keep: int) -> None:
+        pass  # the index reads the sequence itself
 
 
 class Hybrid:
@@ -302,18 +143,15 @@ class HybridDraft:
     many tokens per second as the model's (a lookup round costs only the verify; a model round
     adds its draft steps and its catch-up on what lookup rounds emitted), or if the model has
     drafted `RETRY` rounds since lookup was last tried (so that a file being copied later is
-    noticed); otherwise the model drafts (tried once before lookup's record counts against it).
-    A match that keeps being rejected stops crowding out a good model draft, and a model that
-    pays less than the copies stops crowding out lookup. Exact either way: a lookup proposal is
-    a point mass, the model's comes with its q. A round's seconds run from its proposal to its
-    acceptance (`host_proposal` to `rollback`), which in a batch is the batch's round."""
+    noticed); otherwise the model drafts. Exact either way: a lookup proposal is a point mass,
+    the model's comes with its q. A round's seconds run from its proposal to its settlement,
+    which in a batch is the batch's round."""
 
     name, drafts = HYBRID, True
     RETRY = 8  # model rounds between two tries of a lookup that has been losing
 
     def __init__(self, hybrid: Hybrid) -> None:
         self.model = hybrid.model
-        self.inner = ModelDraft(hybrid.model)
         self.lookup = LookupDraft(hybrid.lookup)
         # a string (as a model-free drafter's), stable across processes for the policy file
         self.policy_key = f"{HYBRID}:{fingerprint(hybrid.model)}:{hybrid.lookup!r}"
@@ -324,10 +162,9 @@ class HybridDraft:
         self._began = 0.0  # when the round's proposal was made
         self._since_lookup = 0  # model rounds since lookup was last chosen
 
-    def begin(self, seq: list[int], cache: Cache | None, fill: bool = True) -> None:
+    def begin(self, seq: list[int]) -> None:
         self.seq = seq
-        self.lookup.begin(seq, None)
-        self.inner.begin(seq, cache, fill)
+        self.lookup.begin(seq)
 
     def host_proposal(self, k: int) -> list[int] | None:
         """This round's lookup proposal, or None when the model should draft; records which."""
@@ -338,7 +175,7 @@ class HybridDraft:
             return match
         self._source = MODEL if k else None
         self._since_lookup += bool(k)
-        return None
+        return None if k else []
 
     def _prefers_lookup(self) -> bool:
         mine, model = self.recent[PROMPT_LOOKUP].rate, self.recent[MODEL].rate
@@ -348,40 +185,25 @@ class HybridDraft:
             return False
         return mine >= model or self._since_lookup >= self.RETRY
 
-    def propose(self, k, sampling, key, history, processors, width) -> Proposal:
-        match = self.host_proposal(k)
-        if match is not None:
-            return _host(match, sampling, width)
-        self.inner.catch_up()  # only when the model drafts: lookup rounds need no catch-up
-        return self.inner.propose(k, sampling, key, history, processors, width)
-
-    def catch_up(self, predict: int = 0) -> tuple[float, mx.array | None]:
-        """Nothing here: the model catches up in `propose` when it is the round's source (its
-        time is then the round's)."""
-        return 0.0, None
-
-    def beyond(self) -> mx.array | None:
-        """None: which source drafts changes from round to round."""
-        return None
-
-    def ahead(self, last, token) -> bool:
-        """Nothing queued: the next round may well be a lookup round."""
-        return False
-
-    def rollback(self, keep: int) -> None:
-        """Also the end of a round: keep - (seq's length at the proposal) tokens of this round's
+    def settle(self, keep: int) -> None:
+        """The end of a round: keep - (seq's length at the proposal) tokens of this round's
         proposal were accepted."""
         if self._source is not None:
             accepted = max(0, keep - self._start)
             self.recent[self._source].update(accepted + 1, time.perf_counter() - self._began)
             self._source = None
-        self.inner.rollback(keep)
 
 
-def resolve_drafter(draft: object) -> Drafter:
-    """The drafter for a `draft` argument: a model, "prompt-lookup" or a `PromptLookup`, a
-    `Hybrid`, None or "none" (plain decoding), or a drafter already resolved (returned as it
-    is). ParameterError for anything else."""
+def resolve_drafter(draft: object, model: nn.Module | None = None) -> Source:
+    """The source for a `draft` argument: a model, "prompt-lookup" or a `PromptLookup`, a
+    `Hybrid`, None or "none" (plain decoding), or a source already resolved (returned as it
+    is); with a batch's draft `model`, also "model" and "hybrid" (that model, alone or with
+    prompt lookup). ParameterError for anything else."""
+    if isinstance(draft, str) and draft in (MODEL, HYBRID):
+        if model is None:
+            raise ParameterError("draft", f'not "{draft}" in a decoder without a draft model',
+                                 draft)
+        return ModelDraft(model) if draft == MODEL else HybridDraft(Hybrid(model))
     if draft is None:
         return NoDraft()
     if isinstance(draft, (NoDraft, ModelDraft, LookupDraft, HybridDraft)):
@@ -408,11 +230,6 @@ def draft_model(draft: object) -> nn.Module | None:
     return resolve_drafter(draft).model
 
 
-def max_draft_length(drafter: Drafter, k: int | str) -> int:
-    """The most tokens a round may draft: 0 without drafting, 8 for k="auto", else k."""
-    return 0 if not drafter.drafts else AUTO_MAX_K if k == AUTO else k
-
-
 def point_mass(tokens: mx.array, width: int) -> mx.array:
     """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
     return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
@@ -434,51 +251,231 @@ def draft_logits(
 
 
 @dataclass
-class _Ahead:
-    """A first draft step's forward run ahead (`ModelDraft.ahead`: queued behind a verify;
-    `ModelDraft.catch_up`: the catch-up's last row): the draft cache's length after it (seq's
-    length where it is used) and its logits after each token it fed last (two, or one)."""
+class Proposals:
+    """One round's proposals for every row of the batch, in row order: `ks` the tokens each row
+    drafts (0: a plain step), host ids where the host proposed (else None), and the model's
+    chain (model rows, steps) with each row's index in it (None for a host row). `q`: a row's
+    (k, Vq) draft distributions when it sampled from the model (None: point masses)."""
 
-    length: int
-    rows: mx.array
+    ks: list[int]
+    host: list[list[int] | None]
+    chain: mx.array | None
+    chain_rows: list[int | None]
+    q: list[mx.array | None]
+
+    @classmethod
+    def plain(cls, rows: int) -> Proposals:
+        """A round in which no row drafts."""
+        return cls([0] * rows, [[]] * rows, None, [None] * rows, [None] * rows)
+
+    def inputs(self, lasts: list[int]) -> mx.array:
+        """(B, 1 + max k): each row's [last, d_1..d_k], right-padded, with the chain's device
+        ids merged in a few whole-batch ops."""
+        width = 1 + max(self.ks, default=0)
+        host = [[last] + (h or []) for last, h in zip(lasts, self.host)]
+        x = mx.array([h + [0] * (width - len(h)) for h in host], dtype=mx.int32)
+        if self.chain is None or width == 1:
+            return x
+        chain, steps = self.chain, self.chain.shape[1]
+        if steps < width - 1:
+            chain = mx.pad(chain, [(0, 0), (0, width - 1 - steps)])
+        chain = chain[:, : width - 1]
+        picks = [0 if j is None else j for j in self.chain_rows]
+        take = [[j is not None and i < k for i in range(width - 1)]
+                for j, k in zip(self.chain_rows, self.ks)]
+        chain = chain[mx.array(picks, dtype=mx.int32)]
+        rest = mx.where(mx.array(take), chain, x[:, 1:])
+        return mx.concatenate([x[:, :1], rest], axis=1)
+
+    def drafts(self, b: int) -> mx.array:
+        """Row b's (k,) draft ids on the device."""
+        j, k = self.chain_rows[b], self.ks[b]
+        if j is not None:
+            return self.chain[j, :k]
+        return mx.array(self.host[b] or [], dtype=mx.int32)[:k]
+
+    def q_of(self, b: int, width: int) -> mx.array:
+        """Row b's (k, Vq) draft distributions; point masses for a host proposal."""
+        return self.q[b] if self.q[b] is not None else point_mass(self.drafts(b), width)
+
+    def values(self) -> list[list[int]]:
+        """Every row's draft ids on the host (one read of the chain)."""
+        chain = self.chain.tolist() if self.chain is not None else None
+        return [h if j is None else chain[j][:k]
+                for h, j, k in zip(self.host, self.chain_rows, self.ks)]
 
 
-def _draft_chain(
-    draft: nn.Module,
-    cache: Cache,
-    unseen: list[int],
-    k: int,
-    params: SamplingParams,
-    key: mx.array | None,
-    history: mx.array | None = None,
-    processors: Sequence[Processor] = (),
-    width: int | None = None,
-    start: mx.array | None = None,
-) -> tuple[mx.array, mx.array | None, mx.array]:
-    """Propose k tokens. Returns draft tokens (k,), when sampling their distributions q (k, V),
-    and the first step's logits after each of `unseen`, (len(unseen), Vq), lazily (raw: before
-    any processor; `ModelDraft.beyond` reads the one after unseen[-2]).
+class Drafting:
+    """The batch's proposer (see the module docstring). `model`: the draft model every row with
+    a model-backed source uses (None: only host sources); `caches`: an empty rows cache for its
+    rows (a `BatchCache` or a `SingleCache`); `chunk`: the most tokens a catch-up feeds per
+    forward; `width`: the target's vocabulary width (processors know its ids)."""
 
-    Feeds `unseen` then d_1..d_(k-1): d_k itself is never run through the draft this round.
-    With `processors`, the logits of d_i are processed with the history `history` + d_1..d_(i-1).
-    `start`: the first step's logits, its forward on `unseen` already run (`ModelDraft.ahead`).
-    """
-    keys = None if params.greedy else mx.random.split(key, k)
-    x = mx.array(model_inputs(draft, unseen), dtype=mx.int32)
-    tokens, qs, first = [], [], None
-    for i in range(k):
-        if i == 0 and start is not None:  # the step's forward ran ahead (`ModelDraft.ahead`)
-            all_logits = start
-        else:
-            all_logits = forward(draft, x[None], cache)[0]  # (L, Vq)
-        first = all_logits if first is None else first
-        logits = draft_logits(all_logits[-1], history, tokens, processors, width)
-        if params.greedy:
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
-        else:
-            q, token = draw(logits, params, keys[i])
-            qs.append(q)
-        mx.async_eval(token)
-        tokens.append(token)
-        x = token[None]
-    return mx.stack(tokens), (mx.stack(qs) if qs else None), first
+    def __init__(self, model: nn.Module | None, caches: Any, chunk: int,
+                 width: int | None) -> None:
+        self.model, self.caches, self.chunk, self.width = model, caches, chunk, width
+        self.uids: list[int] = []  # rows with the model, in cache row order
+
+    def check(self, source: Source) -> None:
+        """ParameterError unless this batch can draft for `source`."""
+        if source.model is not None and source.model is not self.model:
+            raise ParameterError("draft", "the batch's draft model, prompt lookup or None",
+                                 type(source.model).__name__)
+
+    def admit(self, row: Any, cache: Cache | None, budget: int | None) -> tuple[int, bool]:
+        """Prefill a joining row's one-sequence draft cache (all of its sequence but the last
+        token), at most `budget` tokens (None: all): (tokens fed, whether it is done)."""
+        if row.source.model is None or cache is None:
+            return 0, True
+        todo = row.seq[cache_length(cache) : -1]
+        budget = len(todo) if budget is None else budget
+        prefill(self.model, cache, todo[:budget])
+        return min(len(todo), budget), len(todo) <= budget
+
+    def join(self, rows: list[Any], caches: list[Cache | None]) -> None:
+        """Rows enter the batch (after the target's rows), with their draft caches."""
+        for row in rows:
+            row.source.begin(row.seq)
+        members = [(r, c) for r, c in zip(rows, caches) if r.source.model is not None]
+        if members:
+            self.caches.add([c for _, c in members])
+            self.uids += [r.uid for r, _ in members]
+
+    def leave(self, rows: list[Any], keep: bool) -> dict[int, Cache]:
+        """Rows out: their draft caches rolled back to seq[:-1], extracted where `keep`."""
+        index = {uid: j for j, uid in enumerate(self.uids)}
+        members = [r for r in rows if r.uid in index]
+        if not members:
+            return {}
+        lengths = dict(zip(self.uids, self.caches.lengths))
+        ends = {r.uid: min(lengths[r.uid], len(r.seq) - 1) for r in members}
+        self.caches.rollback([ends.get(uid, n) for uid, n in lengths.items()])
+        out = {r.uid: self.caches.extract(index[r.uid]) for r in members} if keep else {}
+        self.caches.remove([index[r.uid] for r in members])
+        gone = {r.uid for r in members}
+        self.uids = [uid for uid in self.uids if uid not in gone]
+        return out
+
+    def propose(self, rows: list[Any], ks: list[int]) -> Proposals:
+        """Every row's proposal for this round (`ks`: what each row may draft; a host source may
+        offer fewer). Rows carry `seq`, `source`, `sampling`, `processors`, `uid` and
+        `draft_key` (this round's, None when greedy)."""
+        host = [r.source.host_proposal(k) if k else [] for r, k in zip(rows, ks)]
+        ks = [k if h is None else len(h) for h, k in zip(host, ks)]
+        chain_rows: list[int | None] = [None] * len(rows)
+        q: list[mx.array | None] = [None] * len(rows)
+        chain = None
+        if any(h is None for h in host):
+            position = {uid: j for j, uid in enumerate(self.uids)}
+            ordered = [None] * len(self.uids)
+            for b, row in enumerate(rows):
+                if row.uid in position:
+                    ordered[position[row.uid]] = (b, row, ks[b] if host[b] is None else 0)
+            chain, qs = self._chain(ordered)
+            for j, (b, _, k) in enumerate(ordered):
+                if k:
+                    chain_rows[b], q[b] = j, qs[j]
+        return Proposals(ks, host, chain, chain_rows, q)
+
+    def commit(self, rows: list[Any], befores: list[int], proposals: Proposals) -> None:
+        """The round is booked (each row's `seq` holds what it accepted): every source settles,
+        and each draft row keeps what it saw of the accepted sequence (a host row was fed the
+        chain's padding past `before`, its length at the proposal)."""
+        for row in rows:
+            row.source.settle(len(row.seq) - 1)
+        if not self.uids:
+            return
+        by_uid = {r.uid: (r, before, j is None)
+                  for r, before, j in zip(rows, befores, proposals.chain_rows)}
+        keep = []
+        for uid, length in zip(self.uids, self.caches.lengths):
+            row, before, idle = by_uid[uid]
+            keep.append(min(length, before if idle else len(row.seq) - 1))
+        self.caches.rollback(keep)
+
+    # -- the model's chain -------------------------------------------------------------------
+    def _catch_up(self, rows: list[Any]) -> None:
+        """Feed the draft what its rows missed in plain (or host-proposed) rounds, so that at
+        most 2 unseen tokens are left to each row's first draft step. Each row caught up counts
+        it in its statistics (`catch_ups`; not timed: the round is one graph)."""
+        caches = self.caches
+        for row, n in zip(rows, caches.lengths):
+            row.stats.catch_ups += n < len(row.seq) - 2
+        while True:
+            todo = [r.seq[n : len(r.seq) - 2] for r, n in zip(rows, caches.lengths)]
+            widest = max(len(t) for t in todo)
+            if widest == 0:
+                return
+            n = min(widest, self.chunk)
+            lengths = list(caches.lengths)
+            x = [model_inputs(self.model, t[:n]) + [0] * (n - len(t[:n])) for t in todo]
+            caches.forward(self.model, mx.array(x, dtype=mx.int32))
+            caches.rollback([length + min(n, len(t)) for length, t in zip(lengths, todo)])
+
+    def _chain(self, ordered: list[tuple[int, Any, int]]) -> tuple[mx.array, list]:
+        """One batched chain of max(k) draft steps over every model row (rows drafting fewer, or
+        none, feed what they have and are rolled back at commit): (model rows, steps) ids and
+        each row's q (None when greedy). A seeded row samples with its own key (the same draws
+        alone or in any batch); unseeded rows share one draw per step."""
+        rows = [r for _, r, _ in ordered]
+        ks = [k for _, _, k in ordered]
+        caches = self.caches
+        self._catch_up(rows)
+        unseen = [r.seq[n:] for r, n in zip(rows, caches.lengths)]
+        lengths = list(caches.lengths)
+        width = max(len(u) for u in unseen)
+        x = [model_inputs(self.model, u) + [0] * (width - len(u)) for u in unseen]
+        logits = caches.forward(self.model, mx.array(x, dtype=mx.int32))
+        caches.rollback([n + len(u) for n, u in zip(lengths, unseen)])
+        last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
+        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
+        sampled = [j for j, (r, k) in enumerate(zip(rows, ks)) if k and not r.sampling.greedy]
+        keys = {j: mx.random.split(rows[j].draft_key, ks[j]) for j in sampled}
+        histories = {j: mx.array(r.seq, dtype=mx.int32) for j, r in enumerate(rows)
+                     if r.processors}
+        qs: dict[int, list[mx.array]] = {j: [] for j in sampled}
+        chain: list[mx.array] = []
+        for i in range(max(ks)):
+            if i:
+                logits = caches.forward(self.model, chain[-1][:, None])[:, 0]
+            if not sampled and not histories:
+                token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            else:
+                token = self._step(rows, ks, i, logits, histories, qs, keys, chain)
+            mx.async_eval(token)
+            chain.append(token)
+        return mx.stack(chain, axis=1), [mx.stack(qs[j]) if j in qs else None
+                                         for j in range(len(rows))]
+
+    def _step(self, rows, ks, i, logits, histories, qs, keys, chain) -> mx.array:
+        """Step i's token for every chain row: sampled from its warped q with its own key where
+        it samples and drafts this far, else the argmax (a greedy row, or padding)."""
+        warped: dict[int, mx.array] = {}
+        for members in _regimes(rows, lambda j, r: j in qs and i < ks[j]
+                                and j not in histories).values():
+            probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
+            warped.update({j: probs[g] for g, j in enumerate(members)})
+        picks = []
+        for j, row in enumerate(rows):
+            row_logits = logits[j]
+            if j in histories:
+                row_logits = draft_logits(row_logits, histories[j], [t[j] for t in chain],
+                                          row.processors, self.width)
+            if j in qs and i < ks[j]:
+                q = warped[j] if j in warped else warp(row_logits, row.sampling)
+                qs[j].append(q)
+                picks.append(sample_rows(q[None], keys[j][i])[0])
+            else:
+                picks.append(mx.argmax(row_logits, axis=-1))
+        return mx.stack(picks).astype(mx.int32)
+
+
+def _regimes(rows: list[Any], where) -> dict[tuple, list[int]]:
+    """Indices of the rows `where(index, row)` selects, grouped by sampling settings (one warp
+    each)."""
+    groups: dict[tuple, list[int]] = {}
+    for j, row in enumerate(rows):
+        if where(j, row):
+            s = row.sampling
+            groups.setdefault((s.temperature, s.top_p, s.top_k, s.min_p), []).append(j)
+    return groups

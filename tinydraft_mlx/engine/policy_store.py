@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-VERSION = 2  # 2: the switch cost is per token the draft missed
+VERSION = 3  # 3: acceptance as decayed accepted / reached counts, costs per batch size bucket
 ENV = "TINYDRAFT_POLICY_FILE"
 MAX_ENTRIES = 64  # pairs kept in the file; the least recently saved go first
 SAMPLE = 256  # weight values per sampled tensor in a fingerprint
@@ -146,7 +146,7 @@ def save_entry(key: str, entry: dict[str, Any], path: Path | None = None) -> Non
             json.dump({"version": VERSION, "entries": entries}, f)
         os.replace(f.name, path)
     except OSError as err:
-        _warn_once(f"k='auto' could not save what it learned to {path}: {err}")
+        warn_once(f"k='auto' could not save what it learned to {path}: {err}")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -155,11 +155,11 @@ def _read(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:
-        _warn_once(f"ignoring the k='auto' policy file {path}: {err}")
+        warn_once(f"ignoring the k='auto' policy file {path}: {err}")
         return {}
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(
             data.get("entries"), dict):
-        _warn_once(f"ignoring the k='auto' policy file {path}: not version {VERSION} of ours")
+        warn_once(f"ignoring the k='auto' policy file {path}: not version {VERSION} of ours")
         return {}
     return data["entries"]
 
@@ -167,7 +167,7 @@ def _read(path: Path) -> dict[str, Any]:
 _WARNED: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         log.warning(message)

@@ -44,6 +44,15 @@ def greedy_accept(target_argmax: mx.array, draft_tokens: mx.array) -> tuple[mx.a
     return n, token.astype(mx.int32)
 
 
+def greedy_accept_ids(target_argmax: list[int], draft_tokens: list[int]) -> tuple[int, int]:
+    """`greedy_accept` for one row on the host, as the loop reads it: target_argmax (k+1 ids),
+    draft_tokens (k ids) -> (n accepted, the token emitted after them)."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
+        n += 1
+    return n, target_argmax[n]
+
+
 def speculative_accept(
     p: mx.array, q: mx.array, draft_tokens: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:

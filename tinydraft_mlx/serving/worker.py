@@ -3,7 +3,7 @@
 MLX evaluates one stream at a time, so a server runs its generations on a single thread, off the
 event loop (which keeps serving `/health` and accepting connections). With `max_batch` 1 the
 thread runs one generation after another; with `max_batch` B it runs up to B at once, as the
-sequences of one `BatchDecoder` (engine/batch.py): a job joins the running batch between rounds
+sequences of one `BatchDecoder` (engine/rounds.py): a job joins the running batch between rounds
 (after its prompt's prefill, chunked between rounds) and leaves when it finishes, is cancelled or
 fails. A job is a prompt (token ids), the `stream_generate` options and a `deliver` callback; the
 thread sends it a `Started`, then a `Piece` per token, then `Done` (or `Failed`, whose error says
@@ -34,8 +34,7 @@ import mlx.nn as nn
 
 from ..api import _plan, stream_generate
 from ..batching import _defaults, _drain, record_caches
-from ..engine.batch import BatchDecoder
-from ..engine.speculative import Token
+from ..engine.rounds import BatchDecoder, Token
 from ..engine.stats import GenerationStats
 from ..prompt_cache import MARGIN, PromptCache
 from ..text import GenerationResponse, responses

@@ -1,0 +1,127 @@
+"""A verified round's acceptance, for every row of a batch at once: from the target's logits at
+each row's [last, d_1..d_k], the arrays its commit reads (lazy): the argmax at each position
+(greedy) or [n, token] (sampled: `rejection.py`'s rule against the row's warped p and q), and the
+processed logits where the row wants log-probabilities.
+
+Logits processors see at verify position i the history seq + d_1..d_(i-1), as plain decoding
+would at that position. A draft with a wider vocabulary can propose ids beyond the target's
+embedding: they are clamped for the forward pass only (`forward.model_inputs`); such a proposal
+is never accepted (p is 0 there), so the positions after it, the only ones the clamp changes,
+are always discarded.
+
+Randomness: a seeded row draws with its own keys (its outcome does not depend on the rows beside
+it); unseeded rows draw together, one key per kind of draw (each row still exactly distributed).
+Unseeded plain steps at a temperature alone (no filter, no processors) sample softmax(x / T)
+directly, all rows of one temperature in one draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from .drafters import Proposals
+from .rejection import speculative_accept, speculative_accept_rows
+from .sampling import process_logits, sample_rows, warp
+
+
+def _scaled_draw(row: Any) -> bool:
+    s = row.sampling
+    return (row.round_k == 0 and not s.greedy and s.seed is None and not row.processors
+            and s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0)
+
+
+def _regimes(rows: list[Any], where) -> dict[tuple, list[int]]:
+    """Indices of the rows `where` selects, grouped by sampling settings (one warp each)."""
+    groups: dict[tuple, list[int]] = {}
+    for j, row in enumerate(rows):
+        if where(row):
+            s = row.sampling
+            groups.setdefault((s.temperature, s.top_p, s.top_k, s.min_p), []).append(j)
+    return groups
+
+
+def _processed(row: Any, b: int, proposals: Proposals, logits: mx.array) -> mx.array:
+    """Row b's (1, k+1, V) logits, through its processors with each position's history."""
+    k = row.round_k
+    row_logits = logits[b : b + 1, : k + 1]
+    if not row.processors:
+        return row_logits
+    history = mx.array(row.seq, dtype=mx.int32)
+    drafts = proposals.drafts(b) if k else None
+    before = [drafts[i : i + 1] for i in range(k)]
+    return mx.stack([process_logits(row_logits[:, i], history, before[:i], row.processors)
+                     for i in range(k + 1)], axis=1)
+
+
+def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
+           shared_key: Callable[[], mx.array]) -> tuple[list, list]:
+    """(per row: its greedy argmaxes or [n, token] / [token]; per row: its processed logits
+    where it wants log-probabilities, else None). `logits`: (B, L, V); `shared_key()` a fresh
+    key for unseeded rows' joint draws."""
+    simple = [not r.processors and r.sampling.greedy for r in rows]
+    argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
+    results: list[mx.array | None] = [None] * len(rows)
+    kept: list[mx.array | None] = [None] * len(rows)
+    for members in _regimes(rows, _scaled_draw).values():
+        scaled = logits[mx.array(members), 0].astype(mx.float32) / rows[
+            members[0]].sampling.temperature
+        tokens = sample_rows(mx.softmax(scaled, axis=-1), shared_key())
+        for i, j in enumerate(members):
+            results[j] = tokens[i : i + 1]
+    warped: dict[int, mx.array] = {}  # row -> its warped p (other sampled rows, no processors)
+    for members in _regimes(rows, lambda r: not r.sampling.greedy and not r.processors
+                            and not _scaled_draw(r)).values():
+        probs = warp(logits[mx.array(members)], rows[members[0]].sampling)  # one warp
+        warped.update({j: probs[i : i + 1] for i, j in enumerate(members)})
+    plain_shared = []  # unseeded plain rows: drawn together
+    for j, row in enumerate(rows):
+        k = row.round_k
+        row_logits = _processed(row, j, proposals, logits)
+        kept[j] = row_logits if row.logprobs else None
+        if results[j] is not None:  # drawn above
+            continue
+        if simple[j]:
+            results[j] = argmax[j, : k + 1]
+        elif row.sampling.greedy:
+            results[j] = mx.argmax(row_logits[0], axis=-1).astype(mx.int32)
+        elif k == 0 and j in warped and row.sampling.seed is None:
+            plain_shared.append(j)
+        elif k == 0:  # a plain step with the row's own key
+            p = warped[j][:, 0] if j in warped else warp(row_logits[:, 0], row.sampling)
+            results[j] = sample_rows(p, row.verify_key)
+        elif j not in warped:  # processed logits: this row alone
+            p = warp(row_logits, row.sampling)
+            n, token = speculative_accept(p, proposals.q_of(j, p.shape[-1])[None],
+                                          proposals.drafts(j)[None], row.verify_key)
+            results[j] = mx.concatenate([n, token])
+    if plain_shared:
+        tokens = sample_rows(mx.concatenate([warped[j][:, 0] for j in plain_shared]),
+                             shared_key())
+        for i, j in enumerate(plain_shared):
+            results[j] = tokens[i : i + 1]
+    drafting = [j for j in warped if rows[j].round_k > 0]
+    for seeded in (True, False):  # acceptance in one batch per kind of key
+        members = [j for j in drafting if (rows[j].sampling.seed is not None) == seeded]
+        if members:
+            pairs = _accept(rows, members, proposals, warped,
+                            [rows[j].verify_key for j in members] if seeded else shared_key())
+            for i, j in enumerate(members):
+                results[j] = pairs[i]
+    return results, kept
+
+
+def _accept(rows: list[Any], members: list[int], proposals: Proposals,
+            warped: dict[int, mx.array], keys: list[mx.array] | mx.array) -> mx.array:
+    """(len(members), 2) [n, token] of the drafting rows `members`, in one batch."""
+    lengths = [rows[j].round_k for j in members]
+    top = max(lengths)
+    p = mx.concatenate([warped[j][:, : top + 1] for j in members])
+    q = mx.stack([mx.pad(proposals.q_of(j, p.shape[-1]), [(0, top - n), (0, 0)])
+                  for j, n in zip(members, lengths)])
+    d = mx.stack([mx.pad(proposals.drafts(j), [(0, top - n)])
+                  for j, n in zip(members, lengths)])
+    n, token = speculative_accept_rows(p, q, d, lengths, keys)
+    return mx.stack([n, token], axis=1)

@@ -1,0 +1,511 @@
+"""The engine: rounds of propose -> verify -> accept -> commit for B sequences, each rolled back
+by its own amount. One sequence (`speculative.decode`, `generate`) is the batch of one; plain
+decoding is the round that drafts nothing (k = 0), pipelined as mlx-lm's `generate_step`.
+
+A `BatchDecoder` holds the live sequences of one (target, draft model) pair. `insert` queues a
+sequence (its prompt, sampling settings, seed, logits processors, max_tokens, draft source and
+k); `step()` runs one round for every live sequence and returns each one's new tokens; a sequence
+leaves when it finishes (EOS, max_tokens) or when `remove` is called (a stop string found above
+the engine, a client gone). Sequences join and leave between rounds.
+
+A round, for all rows at once:
+1. k per row: what the sequence asked for, capped by the tokens it may still emit; k="auto" rows
+   share one k chosen with the batch in view (`policy.choose`).
+2. Proposals (`drafters.Drafting`): host proposals (prompt lookup) and one batched chain of draft
+   steps for the rows the draft model drafts; each sampled row draws from its own q with its
+   own key and applies its own processors.
+3. One batched verify of every row's [last, d_1..d_k] (right-padded to the longest k), each row
+   at its own offset, then the acceptance rule per row (`acceptance.py`).
+4. Commit: each row's caches keep its accepted prefix (no copies), its statistics and tokens are
+   booked, finished rows leave the batch.
+
+Cache bookkeeping: `seq` is prompt + emitted tokens; between rounds a row's target cache holds
+seq[:-1] (seq[-1] is pending) and its draft cache a prefix of it. Randomness is per sequence (its
+seed's key, split per round), so what a seeded sequence samples does not depend on the sequences
+beside it (up to the float rounding of batched matmuls, docs/design.md).
+
+Prefill of a joining sequence runs on one-sequence caches, `prefill_step` tokens per `step()` at
+most (a long prompt does not stall the live rows); the row joins when its prompt is in. Where the
+models cannot share a `BatchCache` (sliding-window layers, a tensor-parallel target), or one
+sequence is decoded, the batch is a `SingleCache`: at most one row, its own cache used as it is.
+
+Knows nothing about text: token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..backend import generation_stream
+from .acceptance import verify
+from .batch_cache import BatchCache, SingleCache
+from .cache import KEEP, Cache, cache_length, make_cache, rollback, standard_layers
+from .distributed import ranks_of
+from .drafters import Drafting, Proposals, Source, resolve_drafter
+from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
+from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, Acceptance, choose, sampling_regime, shared_policy
+from .rejection import greedy_accept_ids
+from .sampling import ParameterError, Processor, SamplingParams
+from .stats import GenerationStats
+
+__all__ = ["BatchDecoder", "Finished", "Token", "max_draft_length", "unbatchable"]
+
+Progress = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens to process)
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token. `from_draft`: a draft proposal the target accepted. `logprobs`: the
+    target's log-probabilities at this position, (V,), after logits processors and before any
+    warp (lazy: computed only if read). `finish_reason`: "eos" or "length" on the last token,
+    else None. `stats`: the generation's live statistics object."""
+
+    id: int
+    from_draft: bool
+    stats: GenerationStats
+    logprobs: mx.array | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Finished:
+    """What a sequence leaves behind: its generated ids, statistics, and (when asked for at
+    insert) its one-sequence caches holding prompt + generated[:-1]."""
+
+    uid: int
+    tokens: list[int]
+    stats: GenerationStats
+    target_cache: Cache | None = None
+    draft_cache: Cache | None = None
+
+
+@dataclass
+class _Row:
+    """One sequence. `seq` is prompt + emitted; in the batch its target row holds seq[:-1]."""
+
+    uid: int
+    seq: list[int]
+    prompt_len: int
+    source: Source
+    k_cap: int
+    sampling: SamplingParams
+    key: mx.array
+    eos: frozenset[int]
+    max_tokens: int
+    processors: Sequence[Processor]
+    stats: GenerationStats
+    logprobs: bool
+    keep_caches: bool
+    acceptance: Acceptance | None = None  # k="auto": this row's regime's, shared by its pair
+    target_cache: Cache | None = None  # one-sequence caches while the prompt is prefilled
+    draft_cache: Cache | None = None
+    round_k: int = 0
+    draft_key: mx.array | None = None  # this round's keys (None when greedy)
+    verify_key: mx.array | None = None
+    logits: mx.array | None = field(default=None, repr=False)
+
+    @property
+    def generated(self) -> int:
+        return len(self.seq) - self.prompt_len
+
+    def split(self) -> None:
+        """This round's keys: a drafting round splits two (draft, verify), a plain step one."""
+        if self.sampling.greedy:
+            self.draft_key = self.verify_key = None
+        elif self.round_k:
+            self.key, self.draft_key, self.verify_key = mx.random.split(self.key, 3)
+        else:
+            self.key, self.verify_key = mx.random.split(self.key)
+
+
+def _progress(progress: Progress, total: int) -> Callable[[int], None]:
+    return lambda done: progress(done, total)
+
+
+def max_draft_length(source: Source, k: int | str) -> int:
+    """The most tokens a round may draft: 0 without drafting, AUTO_MAX_K for k="auto", else k."""
+    return 0 if not source.drafts else AUTO_MAX_K if k == AUTO else k
+
+
+def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
+    """Which model ("target" or "draft") cannot share a `BatchCache` with other sequences, or
+    None when both can (standard attention layers only, one rank)."""
+    if ranks_of(target) is not None:
+        return "target"
+    for name, model in (("target", target), ("draft", draft)):
+        if model is not None and not standard_layers(model):
+            return name
+    return None
+
+
+class BatchDecoder:
+    """Rounds of speculative decoding over a changing batch of sequences (see the module
+    docstring). `draft`: the draft model that model-backed sources use (None: none may).
+    `max_kv_size`: every sequence's caches bounded as `make_cache` bounds one (then k may be at
+    most `max_k`, the rollback margin). `prefill_step`: prompt tokens prefilled per `step()`.
+    `single`: hold one sequence at a time (also where the models cannot be batched)."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module | None = None, *,
+                 max_kv_size: int | None = None, max_k: int = AUTO_MAX_K,
+                 prefill_step: int = PREFILL_STEP, single: bool = False) -> None:
+        self.ranks = ranks_of(target)
+        self.single = single or unbatchable(target, draft) is not None
+        self.target, self.draft = target, draft
+        self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
+        self.margin = max_k + 1
+        bounded = max_kv_size is not None and not self.single
+
+        def rows(model: nn.Module) -> BatchCache | SingleCache:
+            if self.single:
+                return SingleCache()
+            return BatchCache(len(model.layers), max_kv_size, KEEP, self.margin)
+
+        self.target_cache = rows(target)
+        self.width = vocab_width(target)
+        chunk = self.margin + 1 if bounded else prefill_step
+        self.drafting = Drafting(draft, rows(draft) if draft is not None else None, chunk,
+                                 self.width)
+        self.rows: list[_Row] = []  # in the batch, in cache row order
+        self.pending: list[_Row] = []  # prefilling, first come first served
+        self.finished: dict[int, Finished] = {}
+        self.stream = generation_stream()
+        # unseeded rows draw together from this key; a seeded row uses its own
+        self.key = mx.random.key(self._seed(None))
+        self._uid = 0
+        self._queued: tuple[Proposals, tuple[list, list]] | None = None  # a plain round ahead
+        self._joined = False  # rows joined before this round: its time is not the round's
+        self._chosen: dict[int, int] | None = None  # uid -> the next round's k, chosen ahead
+
+    def __len__(self) -> int:
+        """Sequences in the decoder (live and prefilling)."""
+        return len(self.rows) + len(self.pending)
+
+    def _seed(self, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        seed = random.SystemRandom().getrandbits(31 if self.ranks else 63)
+        return self.ranks.agree(seed) if self.ranks else seed  # ranks draw alike
+
+    # -- joining and leaving -----------------------------------------------------------------
+    def insert(
+        self,
+        prompt: list[int],
+        *,
+        draft: object = None,
+        k: int | str = DEFAULT_K,
+        max_tokens: int = 256,
+        sampling: SamplingParams = SamplingParams(),
+        eos_token_ids: Iterable[int] = (),
+        logits_processors: Sequence[Processor] = (),
+        target_cache: Cache | None = None,
+        draft_cache: Cache | None = None,
+        logprobs: bool = False,
+        keep_caches: bool = False,
+    ) -> int:
+        """Queue a sequence; returns its uid. Arguments are assumed valid (the API checks them):
+        `draft` is anything `resolve_drafter` takes whose model (if any) is the decoder's
+        ("model" and "hybrid" name it);
+        caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
+        `keep_caches`: keep the sequence's caches for `remove` / `finished`."""
+        if not prompt:
+            raise ParameterError("prompt", "at least one token", prompt)
+        if self.single and len(self):
+            raise ValueError("this decoder holds one sequence at a time (single=True, or models "
+                             "with sliding-window layers or a tensor-parallel target)")
+        source = resolve_drafter(draft, self.draft)
+        self.drafting.check(source)
+        k_cap = max_draft_length(source, k)
+        if k_cap > self.max_k and self.max_kv_size is not None:
+            raise ValueError(f"k must be at most max_k = {self.max_k} in a bounded batch "
+                             f"(got {k_cap})")
+        if target_cache is None:
+            target_cache = make_cache(self.target, self.max_kv_size, self.margin)
+        if source.model is not None and draft_cache is None:
+            draft_cache = make_cache(source.model, self.max_kv_size, self.margin)
+        for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
+            if cache is not None and cache_length(cache) > len(prompt) - 1:
+                raise ValueError(f"{name} must hold at most len(prompt) - 1 = "
+                                 f"{len(prompt) - 1} tokens (got {cache_length(cache)})")
+        self._uid += 1
+        stats = GenerationStats(k=k if source.drafts else 0, prompt_tokens=len(prompt),
+                                cached_tokens=cache_length(target_cache))
+        row = _Row(self._uid, list(prompt), len(prompt), source, k_cap, sampling,
+                   mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
+                   max_tokens, list(logits_processors), stats, logprobs, keep_caches,
+                   target_cache=target_cache,
+                   draft_cache=draft_cache if source.model is not None else None)
+        if k == AUTO and source.drafts:
+            pair = shared_policy(self.target, source.policy_key)
+            row.acceptance = pair.acceptance(sampling_regime(sampling))
+            stats.policy = pair
+        self.pending.append(row)
+        return row.uid
+
+    def remove(self, uid: int, keep: int | None = None) -> Finished | None:
+        """Take a sequence out (live, prefilling or finished) and return what it leaves; `keep`:
+        how many generated tokens it keeps (a stop string cut the rest), its caches rolled back
+        to match. None for an unknown uid."""
+        if uid in self.finished:
+            done = self.finished.pop(uid)
+            if keep is not None and keep < len(done.tokens):
+                done.tokens = done.tokens[:keep]
+                for cache in (done.target_cache, done.draft_cache):
+                    if cache is not None:
+                        rollback(cache, done.stats.prompt_tokens + keep - 1)
+            return done
+        for i, row in enumerate(self.pending):
+            if row.uid == uid:
+                del self.pending[i]
+                row.stats.finish_reason = row.stats.finish_reason or "closed"
+                caches = [None, None]
+                if row.keep_caches:
+                    for j, cache in enumerate((row.target_cache, row.draft_cache)):
+                        if cache is not None:
+                            rollback(cache, len(row.seq) - 1)
+                            caches[j] = cache
+                return Finished(uid, [], row.stats, *caches)
+        for row in self.rows:
+            if row.uid == uid:
+                if keep is not None and keep < row.generated:
+                    del row.seq[row.prompt_len + keep:]
+                row.stats.finish_reason = row.stats.finish_reason or "closed"
+                return self._leave([row]).pop(uid, None)
+        return None
+
+    def _leave(self, rows: list[_Row]) -> dict[int, Finished]:
+        """Rows out of the batch: their caches rolled back to seq[:-1], extracted where kept;
+        a queued round forgets them too."""
+        leaving = {id(r) for r in rows}
+        for row in rows:
+            if row.stats.policy is not None:
+                row.stats.policy.save()  # what k="auto" learned, for the next process
+        cache = self.target_cache
+        cache.rollback([len(r.seq) - 1 if id(r) in leaving else n
+                        for r, n in zip(self.rows, cache.lengths)])
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        kept = [r for r in rows if r.keep_caches]
+        drafts = self.drafting.leave(kept, keep=True)
+        drafts.update(self.drafting.leave([r for r in rows if not r.keep_caches], keep=False))
+        out = {}
+        for row in rows:
+            t = cache.extract(index[id(row)]) if row.keep_caches else None
+            out[row.uid] = Finished(row.uid, row.seq[row.prompt_len:], row.stats, t,
+                                    drafts.get(row.uid))
+        cache.remove([index[id(r)] for r in rows])
+        if self._queued is not None:
+            stay = [i for i, r in enumerate(self.rows) if id(r) not in leaving]
+            proposals, (results, kept_logits) = self._queued
+            self._queued = (Proposals.plain(len(stay)),
+                            ([results[i] for i in stay], [kept_logits[i] for i in stay]))
+        self.rows = [r for r in self.rows if id(r) not in leaving]
+        if not self.rows:
+            self._queued = None
+        return out
+
+    # -- prefill -----------------------------------------------------------------------------
+    def admit(self, budget: int | None = None, progress: Progress | None = None) -> None:
+        """Prefill queued sequences, `budget` prompt tokens in all (None: all of them); those
+        whose prompt is in join the batch. `progress(done, total)` follows the target's
+        prefill of one sequence's prompt (the first queued)."""
+        left = math.inf if budget is None else budget
+        joined = []
+        while self.pending and left > 0 and not (self.single and self.rows):
+            row = self.pending[0]
+            todo = row.seq[cache_length(row.target_cache) : -1]
+            chunk = todo if left >= len(todo) else todo[: int(left)]
+            done = None if progress is None else _progress(progress, len(todo))
+            start = time.perf_counter()
+            with mx.stream(self.stream):
+                if done is not None:
+                    done(0)
+                prefill(self.target, row.target_cache, chunk, progress=done)
+                rest = left - len(chunk)
+                fed, ready = self.drafting.admit(row, row.draft_cache,
+                                                 None if rest == math.inf else int(rest))
+            row.stats.prefill_seconds += time.perf_counter() - start
+            left -= len(chunk) + fed
+            if len(chunk) < len(todo) or not ready:
+                break
+            joined.append(self.pending.pop(0))
+        if joined:
+            self._join(joined)
+
+    def _join(self, rows: list[_Row]) -> None:
+        """Rows whose prompt is in enter the batch (one copy of each cache for all of them,
+        evaluated here so that the next round's time is the round's own)."""
+        self.target_cache.add([r.target_cache for r in rows])
+        self.drafting.join(rows, [r.draft_cache for r in rows])
+        for row in rows:
+            row.target_cache = row.draft_cache = None
+        self.rows += rows
+        caches = [self.target_cache, self.drafting.caches]
+        mx.eval([layer.state for cache in caches if cache is not None
+                 for layer in cache.layers if getattr(layer, "keys", None) is not None])
+        self._joined = True
+
+    # -- a round -----------------------------------------------------------------------------
+    def step(self) -> dict[int, list[Token]]:
+        """Prefill what is queued (up to `prefill_step` tokens), then one round for every live
+        sequence: uid -> its new tokens (the last one carries finish_reason when it ends). Rows
+        that finished have left the batch (their `Finished` is in `finished` when caches were
+        kept).
+
+        Plain rounds (every row at k = 0) are pipelined as mlx-lm's loops: when the next round
+        is plain too, its forward is queued on this round's tokens before they are read, so the
+        host's work overlaps the device's. Not in a round that emits a sequence's first token
+        (on MLX's CPU backend the first token would wait for the queued step too), nor while
+        sequences wait to join."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            self.admit(self.prefill_step)
+            if not self.rows:
+                return {}
+        start, traced = time.perf_counter(), trace_count()  # the round, not the prefill
+        if queued is None:
+            self._choose(self._chosen)
+            for row in self.rows:
+                row.split()
+            with mx.stream(self.stream):
+                proposals = self.drafting.propose(self.rows, [r.round_k for r in self.rows])
+                for row, k in zip(self.rows, proposals.ks):
+                    row.round_k = k  # a host source may offer fewer than asked
+                results = self._verify(proposals)
+        else:
+            proposals, results = queued
+        self._chosen = None
+        if not any(proposals.ks) and self._may_pipeline():
+            chosen = self._pick(ahead=1)
+            if not any(chosen):
+                self._choose(chosen)
+                plain = Proposals.plain(len(self.rows))
+                for row in self.rows:
+                    row.split()
+                with mx.stream(self.stream):
+                    ahead = self._verify(plain, mx.stack([r[-1:] for r in results[0]]))
+                mx.async_eval(ahead[0])
+                self._queued = (plain, ahead)
+            else:
+                self._chosen = {r.uid: k for r, k in zip(self.rows, chosen)}
+        mx.eval(results[0])
+        elapsed = time.perf_counter() - start
+        timed, self._joined = trace_count() == traced and not self._joined, False
+        return self._commit(proposals, *results, elapsed, timed)
+
+    def _may_pipeline(self) -> bool:
+        """Whether the next round may be queued before this one is read: nobody waiting to
+        join, no logits processors (their history would have to follow device tokens), not the
+        round of a first token, one rank (or fixed k), and a row that goes on past this round."""
+        return (not self.pending and not self._joined
+                and not any(r.processors for r in self.rows)
+                and not (self.ranks and any(r.acceptance is not None for r in self.rows))
+                and any(r.generated + 1 < r.max_tokens for r in self.rows))
+
+    def _pick(self, ahead: int = 0) -> list[int]:
+        """Each row's k for the round `ahead` rounds from now (k="auto" rows share one, chosen
+        with the batch in view)."""
+        auto = [r for r in self.rows if r.acceptance is not None]
+        k_auto = 0
+        if auto:
+            limit = max(r.max_tokens - r.generated - 1 - ahead for r in auto)
+            costs = auto[0].stats.policy.round_costs(len(self.rows))
+            k_auto = choose(costs, [r.acceptance for r in auto], limit)
+            if self.ranks is not None:
+                k_auto = self.ranks.agree(k_auto)
+        picks = []
+        for row in self.rows:
+            limit = row.max_tokens - row.generated - 1 - ahead
+            k = k_auto if row.acceptance is not None else row.k_cap
+            picks.append(max(0, min(k, limit, row.k_cap)))
+        return picks
+
+    def _choose(self, chosen: list[int] | dict[int, int] | None = None) -> None:
+        """Set each row's k for this round: `chosen` ahead of time (a list in row order, or
+        uid -> k, which must name every row), else picked now."""
+        if isinstance(chosen, dict):
+            chosen = ([chosen[r.uid] for r in self.rows]
+                      if all(r.uid in chosen for r in self.rows) else None)
+        if chosen is None:
+            chosen = self._pick()
+        for row, k in zip(self.rows, chosen, strict=True):
+            row.round_k = k
+
+    def _verify(self, proposals: Proposals, inputs: mx.array | None = None) -> tuple[list, list]:
+        """One batched forward of every row's [last, d_1..d_k] (`inputs`: the (B, 1) last
+        tokens of a plain round, on the device), then the acceptance rule per row (lazy)."""
+        x = inputs if inputs is not None else proposals.inputs([r.seq[-1] for r in self.rows])
+        x = model_inputs(self.target, x)  # a wider draft's ids: clamped (acceptance.py)
+        logits = self.target_cache.forward(self.target, x)  # (B, L, V)
+        return verify(self.rows, proposals, logits, self._shared_key)
+
+    def _shared_key(self) -> mx.array:
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def _commit(self, proposals: Proposals, results: list[mx.array],
+                kept: list[mx.array | None], elapsed: float,
+                timed: bool) -> dict[int, list[Token]]:
+        """Book the round for every row, emit its tokens, roll each row's caches back to its
+        accepted prefix (a queued plain round has written one position more), and let finished
+        rows leave."""
+        ahead = 1 if self._queued is not None else 0
+        out: dict[int, list[Token]] = {}
+        finished: list[_Row] = []
+        keep, befores = [], []
+        peak = mx.get_peak_memory() / 1e9
+        sizes = [r.size for r in results]
+        flat = mx.concatenate(results).tolist()  # one read for the whole batch
+        drafted = proposals.values() if any(proposals.ks) else [[]] * len(self.rows)
+        at = 0
+        for row, size, logits, drafts in zip(self.rows, sizes, kept, drafted):
+            k = row.round_k
+            values, at = flat[at : at + size], at + size
+            if row.sampling.greedy:
+                n, token = greedy_accept_ids(values, drafts[:k])
+            else:  # [n, token], or [token] for a plain step
+                n, token = values if size == 2 else (0, values[0])
+            befores.append(len(row.seq))
+            row.stats.record_round(k, n)
+            row.stats.decode_seconds += elapsed
+            row.stats.peak_memory = peak
+            if row.acceptance is not None and k:
+                row.acceptance.update(k, n)
+            out[row.uid] = self._emit(row, drafts[:n] + [token], n, logits, finished)
+            keep.append(len(row.seq) - 1 + ahead)
+        self.target_cache.rollback(keep)
+        self.drafting.commit(self.rows, befores, proposals)
+        auto = [r for r in self.rows if r.acceptance is not None]
+        if timed and auto:
+            k = max(r.round_k for r in auto)
+            auto[0].stats.policy.round_costs(len(self.rows)).update(k, elapsed)
+        if finished:
+            for uid, done in self._leave(finished).items():
+                if done.target_cache is not None:
+                    self.finished[uid] = done
+        return out
+
+    @staticmethod
+    def _emit(row: _Row, tokens: list[int], n: int, logits: mx.array | None,
+              finished: list[_Row]) -> list[Token]:
+        """Append the round's tokens to the row (up to its end) as `Token`s."""
+        emitted = []
+        for i, tok in enumerate(tokens):
+            row.seq.append(tok)
+            row.stats.generated += 1
+            finish = ("eos" if tok in row.eos else
+                      "length" if row.generated >= row.max_tokens else None)
+            row.stats.finish_reason = finish
+            logprobs = None
+            if logits is not None:
+                logprobs = logits[0, i] - mx.logsumexp(logits[0, i], axis=-1)
+            emitted.append(Token(tok, i < n, row.stats, logprobs, finish))
+            if finish is not None:
+                finished.append(row)
+                break
+        return emitted
