@@ -116,10 +116,15 @@ def test_gemma3_sliding_layers_roll_back_after_they_wrap(families, references, m
     assert np.abs(theirs - expected).max() > 1e-2
 
 
-def test_gemma3_is_refused_in_batches_and_bounded(families):
-    target, draft, _ = families["gemma3"][2]
-    with pytest.raises(ValueError, match="sliding-window or recurrent layers"):
-        BatchDecoder(target, draft)
+def test_gemma3_is_decoded_one_at_a_time_and_refuses_bounds(families):
+    """Sliding-window layers cannot share a batch's caches: the decoder holds one sequence at a
+    time (a second is refused) and bounded caches are refused."""
+    target, draft, tok = families["gemma3"][2]
+    decoder = BatchDecoder(target, draft)
+    assert decoder.single
+    decoder.insert(tok.encode("x = 1"), draft="model", k=2, max_tokens=4)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        decoder.insert(tok.encode("y = 2"), draft="model", k=2, max_tokens=4)
     with pytest.raises(ValueError, match="max_kv_size needs a model made of standard attention"):
         make_cache(target, max_kv_size=64)
 

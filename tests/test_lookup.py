@@ -54,14 +54,14 @@ def test_hybrid_chooses_the_source_that_gives_more_tokens_per_second(monkeypatch
     monkeypatch.setattr(drafters.time, "perf_counter", lambda: clock[0])
     seq = [1, 2, 3, 4, 5, 6, 1, 2]  # the suffix (1, 2) continues 3, 4, 5, ...
     hybrid = HybridDraft(Hybrid(lambda *a, **kw: None))
-    hybrid.begin(seq, None)
+    hybrid.begin(seq)
 
     def round_(accepted: int, seconds: float) -> str:
         """One round: its source, given how many of its proposal were accepted in what time."""
         start = len(seq)
         source = "lookup" if hybrid.host_proposal(3) is not None else "model"
         clock[0] += seconds
-        hybrid.rollback(start + accepted)
+        hybrid.settle(start + accepted)
         return source
 
     assert round_(0, 0.01) == "lookup"  # untried: lookup first: 1 token in 10 ms, 100/s

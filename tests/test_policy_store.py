@@ -47,7 +47,9 @@ def test_a_new_process_starts_from_what_the_last_one_saved(pair, policy_file, mo
     new_process(monkeypatch)
     policy = shared_policy(target, draft)
     costs = policy.round_costs(1)
-    assert {k: list(costs.timings[k]) for k in costs.timings} == pytest.approx(saved)
+    assert set(costs.timings) == set(saved)
+    for k, values in saved.items():
+        assert list(costs.timings[k]) == pytest.approx(values)
     assert policy.acceptance(REGIME).observed > 0  # acceptance too, as a prior
     # and the generation is still exact
     new_process(monkeypatch)

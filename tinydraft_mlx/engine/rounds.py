@@ -182,6 +182,7 @@ class BatchDecoder:
         self._queued: tuple[Proposals, tuple[list, list]] | None = None  # a plain round ahead
         self._joined = False  # rows joined before this round: its time is not the round's
         self._chosen: dict[int, int] | None = None  # uid -> the next round's k, chosen ahead
+        self._read = 0.0  # when the latest round's tokens were read
 
     def __len__(self) -> int:
         """Sequences in the decoder (live and prefilling)."""
@@ -394,7 +395,10 @@ class BatchDecoder:
             else:
                 self._chosen = {r.uid: k for r, k in zip(self.rows, chosen)}
         mx.eval(results[0])
-        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        # a round queued ahead ran on the device since the previous round was read
+        elapsed = now - (start if queued is None else min(start, self._read))
+        self._read = now
         timed, self._joined = trace_count() == traced and not self._joined, False
         return self._commit(proposals, *results, elapsed, timed)
 
