@@ -24,23 +24,13 @@ import mlx.core as mx
 
 from .drafters import Proposals
 from .rejection import speculative_accept, speculative_accept_rows
-from .sampling import process_logits, sample_rows, warp
+from .sampling import process_logits, sample_rows, sampling_groups, warp
 
 
 def _scaled_draw(row: Any) -> bool:
     s = row.sampling
     return (row.round_k == 0 and not s.greedy and s.seed is None and not row.processors
             and s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0)
-
-
-def _regimes(rows: list[Any], where) -> dict[tuple, list[int]]:
-    """Indices of the rows `where` selects, grouped by sampling settings (one warp each)."""
-    groups: dict[tuple, list[int]] = {}
-    for j, row in enumerate(rows):
-        if where(row):
-            s = row.sampling
-            groups.setdefault((s.temperature, s.top_p, s.top_k, s.min_p), []).append(j)
-    return groups
 
 
 def _processed(row: Any, b: int, proposals: Proposals, logits: mx.array) -> mx.array:
@@ -65,15 +55,15 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
     results: list[mx.array | None] = [None] * len(rows)
     kept: list[mx.array | None] = [None] * len(rows)
-    for members in _regimes(rows, _scaled_draw).values():
+    for members in sampling_groups(rows, lambda j, r: _scaled_draw(r)).values():
         scaled = logits[mx.array(members), 0].astype(mx.float32) / rows[
             members[0]].sampling.temperature
         tokens = sample_rows(mx.softmax(scaled, axis=-1), shared_key())
         for i, j in enumerate(members):
             results[j] = tokens[i : i + 1]
     warped: dict[int, mx.array] = {}  # row -> its warped p (other sampled rows, no processors)
-    for members in _regimes(rows, lambda r: not r.sampling.greedy and not r.processors
-                            and not _scaled_draw(r)).values():
+    for members in sampling_groups(rows, lambda j, r: not r.sampling.greedy and not r.processors
+                                   and not _scaled_draw(r)).values():
         probs = warp(logits[mx.array(members)], rows[members[0]].sampling)  # one warp
         warped.update({j: probs[i : i + 1] for i, j in enumerate(members)})
     plain_shared = []  # unseeded plain rows: drawn together

@@ -28,7 +28,14 @@ from .cache import Cache, cache_length
 from .forward import model_inputs, prefill
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
 from .policy_store import fingerprint
-from .sampling import ParameterError, Processor, process_logits, sample_rows, warp
+from .sampling import (
+    ParameterError,
+    Processor,
+    process_logits,
+    sample_rows,
+    sampling_groups,
+    warp,
+)
 
 MODEL = "model"
 HYBRID = "hybrid"
@@ -341,8 +348,9 @@ class Drafting:
             self.caches.add([c for _, c in members])
             self.uids += [r.uid for r, _ in members]
 
-    def leave(self, rows: list[Any], keep: bool) -> dict[int, Cache]:
-        """Rows out: their draft caches rolled back to seq[:-1], extracted where `keep`."""
+    def leave(self, rows: list[Any]) -> dict[int, Cache]:
+        """Rows out: their draft caches rolled back to seq[:-1], extracted for the rows that
+        keep their caches (`keep_caches`), in one removal."""
         index = {uid: j for j, uid in enumerate(self.uids)}
         members = [r for r in rows if r.uid in index]
         if not members:
@@ -350,7 +358,7 @@ class Drafting:
         lengths = dict(zip(self.uids, self.caches.lengths))
         ends = {r.uid: min(lengths[r.uid], len(r.seq) - 1) for r in members}
         self.caches.rollback([ends.get(uid, n) for uid, n in lengths.items()])
-        out = {r.uid: self.caches.extract(index[r.uid]) for r in members} if keep else {}
+        out = {r.uid: self.caches.extract(index[r.uid]) for r in members if r.keep_caches}
         self.caches.remove([index[r.uid] for r in members])
         gone = {r.uid for r in members}
         self.uids = [uid for uid in self.uids if uid not in gone]
@@ -451,8 +459,8 @@ class Drafting:
         """Step i's token for every chain row: sampled from its warped q with its own key where
         it samples and drafts this far, else the argmax (a greedy row, or padding)."""
         warped: dict[int, mx.array] = {}
-        for members in _regimes(rows, lambda j, r: j in qs and i < ks[j]
-                                and j not in histories).values():
+        for members in sampling_groups(rows, lambda j, r: j in qs and i < ks[j]
+                                       and j not in histories).values():
             probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
             warped.update({j: probs[g] for g, j in enumerate(members)})
         picks = []
@@ -469,13 +477,3 @@ class Drafting:
                 picks.append(mx.argmax(row_logits, axis=-1))
         return mx.stack(picks).astype(mx.int32)
 
-
-def _regimes(rows: list[Any], where) -> dict[tuple, list[int]]:
-    """Indices of the rows `where(index, row)` selects, grouped by sampling settings (one warp
-    each)."""
-    groups: dict[tuple, list[int]] = {}
-    for j, row in enumerate(rows):
-        if where(j, row):
-            s = row.sampling
-            groups.setdefault((s.temperature, s.top_p, s.top_k, s.min_p), []).append(j)
-    return groups

@@ -38,7 +38,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -109,7 +109,6 @@ class _Row:
     round_k: int = 0
     draft_key: mx.array | None = None  # this round's keys (None when greedy)
     verify_key: mx.array | None = None
-    logits: mx.array | None = field(default=None, repr=False)
 
     @property
     def generated(self) -> int:
@@ -291,9 +290,7 @@ class BatchDecoder:
         cache.rollback([len(r.seq) - 1 if id(r) in leaving else n
                         for r, n in zip(self.rows, cache.lengths)])
         index = {id(r): i for i, r in enumerate(self.rows)}
-        kept = [r for r in rows if r.keep_caches]
-        drafts = self.drafting.leave(kept, keep=True)
-        drafts.update(self.drafting.leave([r for r in rows if not r.keep_caches], keep=False))
+        drafts = self.drafting.leave(rows)
         out = {}
         for row in rows:
             t = cache.extract(index[id(row)]) if row.keep_caches else None
@@ -397,7 +394,7 @@ class BatchDecoder:
         mx.eval(results[0])
         now = time.perf_counter()
         # a round queued ahead ran on the device since the previous round was read
-        elapsed = now - (start if queued is None else min(start, self._read))
+        elapsed = now - (start if queued is None else self._read)
         self._read = now
         timed, self._joined = trace_count() == traced and not self._joined, False
         return self._commit(proposals, *results, elapsed, timed)

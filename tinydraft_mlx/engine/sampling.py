@@ -176,6 +176,18 @@ def _nucleus(probs: mx.array, top_p: float, min_p: float, ranked: bool) -> mx.ar
     return probs
 
 
+def sampling_groups(rows: Sequence[Any],
+                    where: Callable[[int, Any], bool]) -> dict[tuple, list[int]]:
+    """Indices of the rows (anything with a `sampling: SamplingParams`) that `where(index, row)`
+    selects, grouped by their warp settings (temperature, top-p, top-k, min-p): one warp each."""
+    groups: dict[tuple, list[int]] = {}
+    for j, row in enumerate(rows):
+        if where(j, row):
+            s = row.sampling
+            groups.setdefault((s.temperature, s.top_p, s.top_k, s.min_p), []).append(j)
+    return groups
+
+
 def sample_rows(probs: mx.array, key: mx.array) -> mx.array:
     """One draw from each row of `probs` (..., V) (rows need not be normalized), by inverting
     the cumulative distribution at one uniform per row: exact, and on a CPU much cheaper than
