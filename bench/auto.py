@@ -78,7 +78,7 @@ from tinydraft_mlx.engine import policy as policy_module
 
 def cold() -> None:
     """Forget every pair's shared policy: the next k="auto" generation starts from scratch."""
-    policy_module._PAIRS.clear()
+    policy_module.forget_pairs()
 
 
 def trace_shapes(target, model, tok, ids: list[int], temp: float, **sampling) -> None:
@@ -171,9 +171,8 @@ def fresh_worker(contender: str, cell: str, temp: float) -> dict:
         ref = ids + ours(target, None, tok, ids, k=1, max_tokens=FRESH_TOKENS, temp=0.0,
                          seed=0)[0]
         draft = OracleDraft(draft, ref, 0.0, 0, target)
-    saved = dict(policy._SHARED)
-    trace_shapes(target, draft, tok, ids, temp)  # learns no policy
-    assert policy._SHARED == saved
+    trace_shapes(target, draft, tok, ids, temp)
+    policy.forget_pairs()  # the fixed-k warm-ups timed rounds: this process starts fresh
     k = {"plain": 1}.get(contender, "auto" if contender.startswith("auto") else
                          int(contender[2:]) if contender.startswith("k=") else None)
     sampling = {} if temp == 0 else {"top_p": 0.8, "top_k": 20}
@@ -332,8 +331,6 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False, every_prompt: bool =
     import shutil
     import tempfile
 
-    from tinydraft_mlx.engine import policy_store
-
     os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # the policy of this process alone
     target, draft, tok = load_models()
     prompts = [tok.encode(p) for p in (PROMPTS[:WARM_TEXTS] if warm else PROMPTS
@@ -345,8 +342,7 @@ def fresh_policy_main(rounds: int = 24, warm: bool = False, every_prompt: bool =
         """What a new process has: no pair in memory, no fingerprint computed, the policy file
         (or none)."""
         os.environ["TINYDRAFT_POLICY_FILE"] = file
-        cold()
-        policy_store._FINGERPRINTS.clear()
+        policy_module.forget_pairs()
     cells = []
     # per prompt: its greedy text, which an oracle draft ("alpha A") follows (once for every cell)
     references: list[list[int]] = []

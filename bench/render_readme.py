@@ -364,24 +364,6 @@ def draft_vocab(r: dict) -> list[str]:
     return lines
 
 
-def host_gap(r: dict) -> list[str]:
-    s = r["settings"]
-    lines = [
-        f"**Where a round goes** (`python bench/host_gap.py`; demo pair, {s['dtype']}, "
-        f"{s['prompts']} held-out prompts x {s['max_tokens']} tokens, timers around the loop's "
-        "`_propose` and `_verify`; [json](results/host_gap.json), [plot](results/host_gap.png)):"
-        " gap = between rounds, nothing queued (the device idles): bookkeeping, the policy, the "
-        "text layer",
-        "",
-        "| T | k | round | gap (host only) | propose (building the draft chain) | verify "
-        "(building + the sync) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for c in r["cells"]:
-        lines.append(f"| {c['temperature']:g} | {c['k']} | {c['round_ms']:.2f} ms | "
-                     f"{c['gap_fraction']:.1%} | {c['propose_fraction']:.1%} | "
-                     f"{c['verify_fraction']:.1%} |")
-    return lines
 
 
 def distributed(r: dict) -> list[str]:
@@ -585,136 +567,12 @@ def auto_fresh_policy(r: dict) -> list[str]:
     return lines
 
 
-def auto_budget(r: dict) -> list[str]:
-    s, m = r["settings"], r["machine"]
-    kinds = s["kinds"]
-    lines = [
-        "**Where a fresh k=\"auto\" generation's time goes** (`python bench/auto_budget.py`; demo "
-        f"pair, {s['dtype']}, one prompt x {s['max_tokens']} tokens, greedy, {s['rounds']} rounds "
-        "of every contender in shuffled order, the policy cleared before each auto generation; "
-        f"{m['device']}, BLAS: {m['blas']}; [json](results/auto_budget.json), "
-        "[plot](results/auto_budget.png)): milliseconds a generation (mean) in each kind of round "
-        "and, in brackets, the tokens those rounds emitted. first: prefill and first token; "
-        "catch-up: auto's catch-ups of the draft on the plain rounds it missed (looks, drafting "
-        "or not after them; in brackets: how many); switch: a drafting round after a plain one; "
-        "change: after a round of another k; cold: after a round of the same k not accepted "
-        "whole; run: after one accepted whole.",
-        "",
-        "| draft, T | contender | ms a generation | " + " | ".join(kinds) + " |",
-        "| --- | --- | --- | " + "--- | " * len(kinds),
-    ]
-    for c in r["cells"]:
-        for name, x in c["contenders"].items():
-            ratio = (f" ({c['auto_vs_best_fixed']:.3f}x {c['best_fixed']})" if name == "auto"
-                     else "")
-            parts = [f"{x['kinds'][k]['ms']:.1f} "
-                     f"({x['kinds'][k]['rounds' if k == 'catch-up' else 'tokens']:.1f})"
-                     if x["kinds"][k]["rounds"] else "-" for k in kinds]
-            lines.append(f"| {c['cell']}, {c['temp']:g} | {name} | {x['ms']:.1f}{ratio} | "
-                         + " | ".join(parts) + " |")
-    return lines
 
 
-def auto_replay(r: dict) -> list[str]:
-    s = r["settings"]
-    costs = s["costs"]
-    rounds = ", ".join(f"R({k}) {v * 1e3:.2f}" for k, v in costs["round_seconds"].items())
-    before = _load("auto_replay_old")
-    warm = next(c for c in r["cells"] if c["prompt"].startswith("warm"))
-    lines = [
-        "**k=\"auto\" replayed on recorded texts** (`python bench/auto_replay.py`; demo pair, "
-        f"{s['dtype']}, greedy, {s['prompts']} prompts x {s['tokens']} tokens and a text whose "
-        f"drafts are always rejected, a fresh policy, {s['seeds']} noise draws; and a warm "
-        f"process generating the {s['prompts']} texts one after another {s['passes']} "
-        f"times with one policy, {warm['seeds']} draws; costs measured "
-        f"here: {rounds} ms, catch-up {costs['catch_up_fixed'] * 1e3:.2f} ms + "
-        f"{costs['catch_up_per_token'] * 1e3:.3f} ms a token; [json](results/auto_replay.json), "
-        "[plot](results/auto_replay.png)): the policy's own loss, without noise, with this "
-        "machine's noise per round (lognormal sigma 0.15, 3% of rounds at 2-3x), and with "
-        "that noise on a drifting level (bursts of other work lasting tens of rounds); tokens/s "
-        "over plain decoding, auto over the better of the best fixed k and plain (mean, and "
-        "the 10th percentile of the draws)"
-        + (" and the same for the policy before this change (`--policy`, "
-           "[json](results/auto_replay_old.json))" if before else "") + ".",
-        "",
-        "| text (acceptance) | noise | k=1 | k=2 | k=3 | k=4 | auto | auto / best (p10) |"
-        + (" before |" if before else ""),
-        "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if before else ""),
-    ]
-    for c in r["cells"]:
-        v = c["vs_plain"]
-        row = (f"| {c['prompt']} ({c['acceptance']:.2f}) | {c['noise']} | "
-               + " | ".join(f"{v[f'k={k}']:.2f}x" for k in range(1, 5))
-               + f" | {v['auto']:.2f}x | {c['auto_vs_best']:.3f} ({c['auto_vs_best_p10']:.2f}) |")
-        if before:
-            old = next((o for o in before["cells"] if o["prompt"] == c["prompt"]
-                        and o["noise"] == c["noise"]), None)
-            row += (f" {old['auto_vs_best']:.3f} ({old['auto_vs_best_p10']:.2f}) |" if old
-                    else " - |")
-        lines.append(row)
-    return lines
 
 
-def auto_bounds(r: dict) -> list[str]:
-    s, m = r["settings"], r["machine"]
-    gain = r.get("first_rounds_gain")
-    lines = [
-        f"**What a fresh k=\"auto\" generation could reach on the fresh T = 0 bar's prompt** "
-        f"(`python bench/auto_bounds.py`; demo pair, {s['dtype']}, greedy, one prompt x "
-        f"{s['max_tokens']} tokens, {s['rounds']} rounds of every contender in shuffled order, "
-        "fresh policies; forced: the policy's choices replaced, the loop as in any auto "
-        f"generation; tokens/s from the call to the last token, means; {m['device']}, BLAS: "
-        f"{m['blas']}; [json](results/auto_bounds.json), [plot](results/auto_bounds.png)). In "
-        "brackets: 95% bootstrap intervals.",
-        "",
-        "| contender | / plain | / fixed k = 2 |",
-        "| --- | --- | --- |",
-    ]
-    what = {"auto, plain": "auto, forced plain", "auto, k=2": "auto, forced k = 2",
-            "prescient": f"auto, forced plain to token {s['prescient']}, then k = 2",
-            "first rounds": f"auto, forced: {s['first_plain']} plain rounds, "
-                            f"{s['first_rounds']} of k = 2, then plain"}
-    for name, c in r["cells"].items():
-        (lo, hi), (klo, khi) = c["vs_plain_95"], c["vs_k2_95"]
-        lines.append(f"| {what.get(name, name)} | {c['vs_plain']:.3f} [{lo:.3f}, {hi:.3f}] | "
-                     f"{c['vs_k2']:.3f} [{klo:.3f}, {khi:.3f}] |")
-    windows = " ".join(f"{w:.2f}" for w in r["acceptance_windows"])
-    lines += ["", "The draft's first-position acceptance along the text, per "
-              f"{s['window']} tokens: {windows}."]
-    if gain:
-        lines[-1] += (f" k = 2's gain over plain decoding as its first {s['first_rounds']} rounds "
-                      f"tell it (their tokens a round times R(0) / R(2)): median "
-                      f"{gain['median']:.3f} (sd {gain['sd']:.3f}), below 1 in "
-                      f"{gain['below_1']:.0%} of the generations.")
-    return lines
 
 
-def auto_ab(r: dict) -> list[str]:
-    s = r["settings"]
-    (constant, value_b), = s["set"].items()
-    value_a = s["checkout"][constant]
-    kind = "fresh (each auto's policy cleared first)" if s["fresh"] else (
-        "warm (each auto's policy trained by two generations of every prompt first)")
-    m = r["machine"]
-    cells = [("auto", value_a, r["auto_vs_plain"]), ("auto, B", value_b, r["auto_b_vs_plain"])]
-    lines = [
-        f"**k=\"auto\" with one policy setting changed, paired** (`python bench/auto_ab.py --set "
-        f"{constant}={value_b:g} --temp {s['temp']:g} --draft \"{s['draft']}\" --rounds "
-        f"{s['rounds']}`; demo pair, {s['dtype']}, {len(s['prompts'])} prompts in turn x "
-        f"{s['max_tokens']} tokens, {s['rounds']} rounds of plain decoding and the two autos in "
-        f"shuffled order, {kind}; {m['device']}, BLAS: {m['blas']}; [json](results/auto_ab.json), "
-        "[plot](results/auto_ab.png)). Tokens/s over plain decoding, means, with 95% bootstrap "
-        "intervals.",
-        "",
-        f"| contender | {constant} | / plain |",
-        "| --- | --- | --- |",
-    ]
-    for name, value, cell in cells:
-        lo, hi = cell["ci95"]
-        lines.append(f"| {name} | {value:g} | {cell['ratio']:.3f} [{lo:.3f}, {hi:.3f}] |")
-    lo, hi = r["auto_vs_auto_b"]["ci95"]
-    lines.append(f"| auto / auto, B | | {r['auto_vs_auto_b']['ratio']:.3f} [{lo:.3f}, {hi:.3f}] |")
-    return lines
 
 
 def sampled_bound(r: dict) -> list[str]:
@@ -765,10 +623,6 @@ def main() -> None:
         ("auto_fresh_policy", auto_fresh_policy),
         ("auto_fresh_prompts", auto_fresh_policy),
         ("auto_warm_policy", auto_fresh_policy),
-        ("auto_budget", auto_budget),
-        ("auto_replay", auto_replay),
-        ("auto_bounds", auto_bounds),
-        ("auto_ab", auto_ab),
         ("sampled_bound", sampled_bound),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
@@ -777,7 +631,6 @@ def main() -> None:
         ("bounded_memory", bounded_memory),
         ("row_consistency", row_consistency),
         ("plain", plain),
-        ("host_gap", host_gap),
         ("draft_vocab", draft_vocab),
         ("distributed", distributed),
         ("server", server),

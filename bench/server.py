@@ -41,8 +41,8 @@ import httpx
 import mlx.core as mx
 from common import machine, pyplot, save
 
-from tinydraft_mlx.backend import _mkl_candidates
-from tinydraft_mlx.loading import DEMO_DIR, _config_overrides
+from tinydraft_mlx.backend import mkl_candidates
+from tinydraft_mlx.loading import DEMO_DIR, config_overrides
 
 PROMPTS = ["def parse_args(", "class Config:", "import os\nimport sys\n", "for i in range(",
            "def main():\n", "if __name__ == ", "with open(", "    return "]
@@ -64,7 +64,7 @@ def float32_copy(src: Path, dst: Path) -> Path:
             config[key] = "float32"
     # transformers 5 writes the RoPE base under "rope_parameters", which mlx-lm's qwen2 does not
     # read (it would run with 1e6): give it the top-level key so both engines run the same model
-    config.update({k: v for k, v in _config_overrides(config).items() if k not in config})
+    config.update({k: v for k, v in config_overrides(config).items() if k not in config})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -185,7 +185,7 @@ def main() -> None:
     target = float32_copy(Path(args.target or DEMO_DIR / "target"), tmp / "target")
     draft = float32_copy(Path(args.draft or DEMO_DIR / "draft"), tmp / "draft")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    mkl = _mkl_candidates()
+    mkl = mkl_candidates()
     if sys.platform == "linux" and mkl:
         env["LD_PRELOAD"] = mkl[0]
     plain = plain_greedy(target, args.max_tokens)

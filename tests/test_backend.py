@@ -30,9 +30,9 @@ pytestmark = pytest.mark.cpu_only
 
 
 def _mkl_path() -> str:
-    from tinydraft_mlx.backend import _mkl_candidates
+    from tinydraft_mlx.backend import mkl_candidates
 
-    return _mkl_candidates()[0]
+    return mkl_candidates()[0]
 
 
 def _run(blas: str, directory, *extra: str, preload: str | None = None,

@@ -42,7 +42,8 @@ _skipped_for_gpu = False  # "auto" left the BLAS alone: MLX's CUDA build is inst
 _warned = False
 
 
-def _mkl_candidates() -> list[str]:
+def mkl_candidates() -> list[str]:
+    """Paths of the MKL runtime libraries (libmkl_rt.so*) in this environment's lib folders."""
     roots = {Path(sys.prefix) / "lib", Path(sys.base_prefix) / "lib"}
     return [str(p) for root in sorted(roots) for p in sorted(root.glob("libmkl_rt.so*"))]
 
@@ -124,7 +125,7 @@ def preload_blas(choice: str | None = None) -> str:
 
 def _load_choice(choice: str) -> None:
     tried = {
-        "mkl": lambda: _load_first("mkl", _mkl_candidates()),
+        "mkl": lambda: _load_first("mkl", mkl_candidates()),
         "openblas": lambda: _load_first("openblas", _openblas_candidates()),
     }
     if choice in ("auto", "mkl") and not ({"MKL_NUM_THREADS", "OMP_NUM_THREADS"} & set(os.environ)):

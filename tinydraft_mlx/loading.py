@@ -80,7 +80,7 @@ def _first_sentence(text: str, limit: int = 200) -> str:
     return sentence[:limit].rsplit(" ", 1)[0] + " ..."
 
 
-def _config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """What mlx-lm reads at the top level of a config, taken from transformers 5's forms: the RoPE
     base (and scaling) under "rope_parameters", flat or per layer type (Gemma 3: full attention's
     base, and the sliding layers' as "rope_local_base_freq"), and the sliding-window period from
@@ -131,7 +131,7 @@ def load_model(name: str | Path, dtype: str | mx.Dtype | None = None,
         raise ModelLoadError(f"{str(name)!r} has no config.json: not a model checkpoint")
     config = json.loads(config_file.read_text())
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=_config_overrides(config), lazy=True)
+        model, tokenizer = mlx_lm_load(str(path), model_config=config_overrides(config), lazy=True)
     except (FileNotFoundError, ValueError) as err:
         raise ModelLoadError(f"could not load {str(name)!r}: {err}") from None
     _refuse_without_rollback(model, name)

@@ -248,6 +248,14 @@ def shared_policy(target: object, draft: object) -> DraftLengthPolicy:
     return held[1]
 
 
+def forget_pairs() -> None:
+    """Forget every pair's policy held in this process (and the models' fingerprints): the next
+    k="auto" generation of any pair starts as in a new process, from its policy file entry or
+    from scratch."""
+    _PAIRS.clear()
+    policy_store.forget_fingerprints()
+
+
 def record_rounds(target: object, draft: object, regime: Hashable,
                   rounds: dict[int, tuple[float, int]], accepted: list[float],
                   reached: list[float]) -> None:

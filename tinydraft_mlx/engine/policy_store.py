@@ -78,6 +78,11 @@ def fingerprint(model: object) -> str:
     return out
 
 
+def forget_fingerprints() -> None:
+    """Drop every fingerprint computed in this process (computed again when next needed)."""
+    _FINGERPRINTS.clear()
+
+
 def _forget(ref: weakref.ref) -> None:
     """A fingerprinted model is gone: its id may be another's next."""
     for i, (held, _) in list(_FINGERPRINTS.items()):
