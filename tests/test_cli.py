@@ -226,3 +226,16 @@ def test_a_broken_group_mid_generation_is_one_line(checkpoints, capsys, monkeypa
     assert len(err.splitlines()) == 1, err
     assert "the ranks' group failed during the generation" in err
     assert "connection to a peer was lost" in err
+
+
+def test_an_error_from_inside_is_not_a_usage_error(checkpoints, monkeypatch):
+    """Every ValueError used to be printed as a usage error (status 2, one line), which hid bugs
+    (and MLX's own ValueErrors) behind "error: ..."; now only bad input is, a bug raises."""
+    from tinydraft_mlx import cli
+
+    def broken(*args, **kwargs):
+        raise ValueError("[matmul] shapes (1,3,64) and (32,64) cannot be multiplied")
+
+    monkeypatch.setattr(cli, "stream_generate", broken)
+    with pytest.raises(ValueError, match="matmul"):
+        main(["--target", str(checkpoints["target"]), "--prompt", "x"])

@@ -12,6 +12,7 @@ idle.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import anthropic
 import httpx
@@ -82,8 +83,8 @@ def force(served, models, monkeypatch):
         ids = list(tokenizer.encode(text, add_special_tokens=False))
 
         def wrapped(job):
-            job.options["logits_processors"] = [Forcing(len(job.prompt), ids,
-                                                        tokenizer.eos_token_id)]
+            job.options = replace(job.options, logits_processors=(
+                Forcing(len(job.prompt), ids, tokenizer.eos_token_id),))
             submit(job)
 
         monkeypatch.setattr(served.worker, "submit", wrapped)

@@ -71,7 +71,8 @@ def test_an_error_outside_the_generation_fails_that_request_only(models, monkeyp
 
         monkeypatch.setattr(worker.pool, "take", take)
         r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n"}, timeout=30)
-        assert r.status_code == 500 and "pool exploded" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "pool exploded" not in r.text
+        assert r.json()["error"]["type"] == "server_error"
         r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n", "max_tokens": 16},
                        timeout=30)
         assert r.status_code == 200
@@ -102,16 +103,18 @@ def test_health_says_when_the_generation_thread_is_gone(models):
 
 def test_a_value_error_from_inside_is_a_logged_500(served, monkeypatch, caplog):
     """MLX raises ValueError for internal shape errors: that is the server's failure (500,
-    logged), not the client's (it was a 400 invalid_request_error, unlogged)."""
+    logged), not the client's (it was a 400 invalid_request_error, unlogged); its body does not
+    carry the exception's text (it did)."""
     def broken(*args, **kwargs):
         raise ValueError("[matmul] Last dimension of first input with shape (1,3,64) must match")
 
-    monkeypatch.setattr(worker_module, "stream_generate", broken)
+    monkeypatch.setattr(worker_module, "prepare", broken)
     with caplog.at_level(logging.ERROR, logger="tinydraft_mlx.server"):
         r = httpx.post(served.url + COMPLETIONS, json={"prompt": "x"}, timeout=30)
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"
     assert r.json()["error"]["code"] == "generation_failed"
+    assert "matmul" not in r.text and "ValueError" not in r.text
     assert any("generation failed" in rec.getMessage() and rec.exc_info for rec in caplog.records)
 
 
@@ -292,3 +295,127 @@ def test_repeated_log_records_are_rate_limited():
     logger.error("accept failed: %s", "Too many open files")
     assert records[-1] == ("accept failed: Too many open files (995 more like this were not "
                            "logged)")
+
+
+HOSTILE = [  # (field, value): each can never succeed, whatever the server's load
+    ("repetition_penalty", 0), ("repetition_penalty", -1), ("presence_penalty", 1e300),
+    ("frequency_penalty", -1e300), ("logit_bias", {"5": 1e39}), ("logit_bias", {"5": 1e12}),
+]
+
+
+def test_hostile_options_are_refused_before_the_queue_and_counted_once(models, monkeypatch):
+    """Penalties and logit_bias values out of range used to be checked on the generation thread:
+    the request waited for a slot before its 400, got a 503 with Retry-After when the queue was
+    full, and was counted "failed" and "rejected". Now: a 400 naming the field and the range,
+    nothing submitted, one "rejected", nothing "failed", /health's counts unchanged."""
+    from tests.test_server_agents import scrape
+
+    s, worker = _serve(models)
+    try:
+        submitted = []
+        monkeypatch.setattr(worker, "submit", lambda job: submitted.append(job) or (
+            _ for _ in ()).throw(AssertionError("a hostile request reached the queue")))
+        before = scrape(s)
+        for field, value in HOSTILE:
+            r = httpx.post(s.url + COMPLETIONS, timeout=30,
+                           json={"prompt": "def f(", "max_tokens": 4, field: value})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == field, (field, r.text)
+            assert "must be a number in [" in error["message"], error
+            assert repr(value if not isinstance(value, dict) else value["5"]) in error["message"]
+        after = scrape(s)
+        key = ("tinydraft_requests_total", (("endpoint", "completions"), ("outcome", "rejected")))
+        assert after[key] - before.get(key, 0) == len(HOSTILE)
+        failed = ("tinydraft_requests_total", (("endpoint", "completions"), ("outcome", "failed")))
+        assert after.get(failed, 0) == before.get(failed, 0)
+        assert not submitted
+        assert httpx.get(s.url + "/health", timeout=10).json()["requests"].get("failed", 0) == 0
+    finally:
+        s.close()
+
+
+def test_anthropic_temperature_and_tool_use_input_are_checked_as_anthropic_says(served):
+    """Anthropic's temperature is in [0, 1] (2.5 used to pass); a tool_use block whose input is
+    not an object used to be refused with pydantic's words about the string branch of a union."""
+    url = served.url + "/v1/messages"
+    r = httpx.post(url, timeout=30, json={"model": "demo", "max_tokens": 4, "temperature": 2.5,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "temperature must be a number in [0, 1] (got 2.5)" in r.json()["error"]["message"]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                                   "name": "f", "input": "not an object"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                              "content": "ok"}]}]
+    r = httpx.post(url, timeout=30, json={"model": "demo", "max_tokens": 4,
+                                          "messages": messages})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "messages[1].content[0].input" in message and "must be an object" in message
+    assert "valid string" not in message
+
+
+def _job(prompt: list[int], draft, max_tokens: int) -> tuple:
+    from tinydraft_mlx import make_options
+    from tinydraft_mlx.serving.worker import Job
+
+    events, started = [], threading.Event()
+
+    def deliver(event) -> None:
+        events.append(event)
+        if not isinstance(event, worker_module.Started):
+            started.set()
+
+    return Job(prompt, draft, make_options(k=2, max_tokens=max_tokens), deliver), events, started
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_stop_cancels_the_running_jobs(models, max_batch):
+    """`Worker.stop` said it cancels running jobs, but with one job at a time the running one
+    went on to its end (here: a million tokens). Now it ends within a round with
+    Done(cancelled=True), and the thread ends."""
+    target, draft, tokenizer = models
+    worker = Worker(target, draft, tokenizer, cache_bytes=32 << 20, max_batch=max_batch)
+    worker.start()
+    job, events, going = _job(tokenizer.encode("def main():"), draft, 10**6)
+    worker.submit(job)
+    assert going.wait(60)  # it has produced its first token
+    start = time.perf_counter()
+    worker.stop(timeout=20)
+    assert not worker.alive and time.perf_counter() - start < 20
+    assert isinstance(events[-1], worker_module.Done) and events[-1].cancelled
+    assert len([e for e in events if isinstance(e, worker_module.Piece)]) < 10**4
+
+
+def test_a_long_prefill_is_cancelled_between_chunks_one_at_a_time(models, monkeypatch):
+    """With one job at a time a client that hung up during a long prompt's prefill was only
+    noticed after the whole prefill (minutes for a long prompt on a CPU). Now the prefill runs
+    in chunks between rounds and stops at the first chunk after the cancel."""
+    from tinydraft_mlx.engine import rounds
+
+    target, draft, tokenizer = models
+    worker = Worker(target, draft, tokenizer, cache_bytes=32 << 20, max_batch=1)
+    worker.start()
+    chunks = []
+    real = rounds.prefill
+    prompt = list(range(5, 5 + 4 * rounds.PREFILL_STEP + 10))  # five target chunks
+    job, events, _ = _job(prompt, draft, 4)
+
+    def counted(model, cache, tokens, **kwargs):
+        if model is target:
+            chunks.append(len(tokens))
+            job.cancelled.set()  # the client hangs up during the first chunk
+        return real(model, cache, tokens, **kwargs)
+
+    monkeypatch.setattr(rounds, "prefill", counted)
+    try:
+        worker.submit(job)
+        deadline = time.monotonic() + 60
+        while not (events and isinstance(events[-1], worker_module.Done)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert events[-1].cancelled
+        assert not any(isinstance(e, worker_module.Piece) for e in events)
+        assert len(chunks) == 1 and chunks[0] <= rounds.PREFILL_STEP
+    finally:
+        worker.stop()

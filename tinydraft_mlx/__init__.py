@@ -13,6 +13,7 @@ from .engine.rounds import BatchDecoder, Finished, Token
 from .engine.sampling import ParameterError, SamplingParams, warp
 from .engine.stats import GenerationStats
 from .loading import ModelLoadError, load_models
+from .options import Options, make_options
 from .prompt_cache import PromptCache, PromptCacheError
 from .text import GenerationResponse
 
@@ -29,11 +30,13 @@ __all__ = [
     "PromptLookup",
     "GenerationStats",
     "ModelLoadError",
+    "Options",
     "ParameterError",
     "SamplingParams",
     "Token",
     "generate",
     "load_models",
+    "make_options",
     "stream_generate",
     "warp",
 ]

@@ -13,26 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors
 
 from .engine.cache import KEEP, Cache, cache_length, make_cache
 from .engine.drafters import Source, resolve_drafter
 from .engine.forward import vocab_width
 from .engine.lookup import PromptLookup
-from .engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
+from .engine.policy import DEFAULT_K
 from .engine.rounds import Progress, Token, max_draft_length
-from .engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
+from .engine.sampling import ParameterError, Processor, SamplingParams, check_int
 from .engine.speculative import decode
 from .engine.stats import GenerationStats
+from .options import Options, check_vocab, make_options
 from .prompt_cache import PromptCache
-from .text import GenerationResponse, Messages, check_stop, prompt_ids, responses
-
-MAX_DRAFT_TOKENS = 64
-# Bounds that keep processed logits finite in float32 at any allowed temperature (a logit_bias of
-# 1e39 is a finite Python float but inf in float32: NaN distributions)
-MAX_LOGIT_BIAS = 1e9
-MAX_PENALTY = 1e6
-MIN_REPETITION_PENALTY = 1e-6
+from .text import GenerationResponse, Messages, prompt_ids, responses
 
 
 def eos_ids(tokenizer: Any) -> frozenset[int]:
@@ -42,69 +35,6 @@ def eos_ids(tokenizer: Any) -> frozenset[int]:
         single = getattr(tokenizer, "eos_token_id", None)
         ids = [] if single is None else [single]
     return frozenset(int(i) for i in ids)
-
-
-def check_k(k: int | str, max_kv_size: int | None = None) -> None:
-    """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto" (which drafts up to
-    AUTO_MAX_K); with caches bounded to `max_kv_size` positions, a round's k + 1 positions must
-    fit beside the sink positions too."""
-    top = MAX_DRAFT_TOKENS if max_kv_size is None else min(MAX_DRAFT_TOKENS,
-                                                           max_kv_size - KEEP - 1)
-    allowed = f"an integer in [1, {top}]" + (' or "auto"' if top >= AUTO_MAX_K else "") + (
-        f" with max_kv_size {max_kv_size}" if top < MAX_DRAFT_TOKENS else "")
-    if k == AUTO and top >= AUTO_MAX_K:
-        return
-    try:
-        check_int("k", k, 1, top)
-    except ParameterError:
-        raise ParameterError("k", allowed, k) from None
-
-
-def _check_float(name: str, value: object, low: float, high: float) -> None:
-    """ParameterError unless `value` is None or a number in [low, high]."""
-    if value is not None:
-        check_float(name, value, lambda v: low <= v <= high, f"a number in [{low:g}, {high:g}]")
-
-
-def build_processors(
-    logits_processors: Sequence[Processor] | None,
-    vocab_size: int | None,
-    *,
-    repetition_penalty: float | None,
-    repetition_context_size: int,
-    presence_penalty: float | None,
-    presence_context_size: int,
-    frequency_penalty: float | None,
-    frequency_context_size: int,
-    logit_bias: dict[int, float] | None,
-) -> list[Processor]:
-    """The user's processors followed by mlx-lm's `make_logits_processors` for the convenience
-    arguments (mlx-lm's semantics and defaults: None turns a penalty off, and so does 0 for the
-    presence and frequency penalties; repetition_penalty must be > 0, 1 is neutral)."""
-    processors = list(logits_processors or [])
-    if not all(callable(p) for p in processors):
-        raise ParameterError("logits_processors", "a list of callables f(tokens, logits)",
-                             logits_processors)
-    _check_float("repetition_penalty", repetition_penalty, MIN_REPETITION_PENALTY, MAX_PENALTY)
-    _check_float("presence_penalty", presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-    _check_float("frequency_penalty", frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-    for name, size in [("repetition_context_size", repetition_context_size),
-                       ("presence_context_size", presence_context_size),
-                       ("frequency_context_size", frequency_context_size)]:
-        check_int(name, size, 1)
-    if logit_bias is not None:
-        if not isinstance(logit_bias, dict):
-            raise ParameterError("logit_bias", "a dict of token id -> bias", logit_bias)
-        top = vocab_size - 1 if vocab_size is not None else None
-        for token, bias in logit_bias.items():
-            check_int("logit_bias token id", token, 0, top)
-            _check_float("logit_bias value", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
-    return processors + make_logits_processors(
-        logit_bias=logit_bias, repetition_penalty=repetition_penalty,
-        repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,
-        presence_context_size=presence_context_size, frequency_penalty=frequency_penalty,
-        frequency_context_size=frequency_context_size,
-    )
 
 
 def stream_generate(
@@ -133,6 +63,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     prompt_progress_callback: Progress | None = None,
     chat_template: str | None = None,
+    options: Options | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `target`, drafting with `draft`, yielding a `GenerationResponse` per token as
     rounds are accepted (mlx-lm's fields: text, token, logprobs, from_draft, finish_reason,
@@ -173,17 +104,27 @@ def stream_generate(
     k: draft tokens per round (1..64), or "auto": each round the k (0..8) with the most expected
     tokens per second under measured acceptance and costs (policy.py).
     prompt_progress_callback(processed, total): during the prefill of the uncached prompt tokens.
+    options: an `Options` from `make_options` instead of the keyword arguments it holds (k,
+    max_tokens, sampling, stop, penalties, logit_bias, logits_processors, max_kv_size,
+    chat_template); giving both is refused.
     """
-    plan = _plan(target, draft, tokenizer, prompt, k=k, max_tokens=max_tokens,
-                 temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                 max_kv_size=max_kv_size, logits_processors=logits_processors,
-                 repetition_penalty=repetition_penalty,
+    given = dict(k=k, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 min_p=min_p, seed=seed, max_kv_size=max_kv_size,
+                 logits_processors=logits_processors, repetition_penalty=repetition_penalty,
                  repetition_context_size=repetition_context_size,
                  presence_penalty=presence_penalty, presence_context_size=presence_context_size,
                  frequency_penalty=frequency_penalty,
                  frequency_context_size=frequency_context_size, logit_bias=logit_bias,
-                 stop=stop, prompt_cache=prompt_cache,
-                 prompt_progress_callback=prompt_progress_callback, chat_template=chat_template)
+                 stop=stop, chat_template=chat_template)
+    options = options_from(options, given, vocab_width(target))
+    plan = prepare(target, draft, tokenizer, prompt, options, prompt_cache=prompt_cache,
+                   prompt_progress_callback=prompt_progress_callback)
+    return run_prepared(target, plan, tokenizer)
+
+
+def run_prepared(target: nn.Module, plan: Prepared, tokenizer: Any) -> Iterator[GenerationResponse]:
+    """The responses of a prepared generation (`prepare`) on its own caches, or on its prompt
+    cache's."""
     prompt_cache = plan.prompt_cache
     if prompt_cache is not None:
         caches = None
@@ -195,62 +136,69 @@ def stream_generate(
 
     def steps(target_cache: Cache, draft_cache: Cache | None) -> Iterator[Token]:
         return decode(
-            target, plan.drafter, plan.ids, k=k, max_tokens=max_tokens, sampling=plan.sampling,
-            eos_token_ids=plan.eos, target_cache=target_cache, draft_cache=draft_cache,
-            logits_processors=plan.processors, prompt_progress_callback=prompt_progress_callback,
+            target, plan.drafter, plan.ids, k=plan.options.k, max_tokens=plan.options.max_tokens,
+            sampling=plan.sampling, eos_token_ids=plan.eos, target_cache=target_cache,
+            draft_cache=draft_cache, logits_processors=plan.processors,
+            prompt_progress_callback=plan.progress,
         )
 
-    return _stream(steps, caches, tokenizer, plan.stops, plan.eos, prompt_cache, plan.ids)
+    return _stream(steps, caches, tokenizer, plan.options.stop, plan.eos, prompt_cache, plan.ids)
+
+
+def options_from(options: Options | None, given: dict[str, Any],
+                 vocab_size: int | None) -> Options:
+    """`options` when given (then every field in `given` must be at its default), else the
+    Options of `given`'s keyword arguments, checked."""
+    if options is None:
+        return make_options(vocab_size=vocab_size, **given)
+    if not isinstance(options, Options):
+        raise ParameterError("options", "an Options (make_options)", type(options).__name__)
+    default = Options()
+    clash = sorted(name for name, value in given.items()
+                   if value is not None and value != getattr(default, name)
+                   and not (name in ("stop", "logits_processors") and not value))
+    if clash:
+        raise ParameterError("options", "given alone, not with the arguments it holds",
+                             f"also {clash}")
+    if vocab_size is not None:
+        check_vocab(options, vocab_size)
+    return options
 
 
 @dataclass
-class Plan:
-    """One generation's checked arguments: what the loop (one sequence or a batch) runs."""
+class Prepared:
+    """One generation, checked against its models: what the loop (one sequence or a batch)
+    runs."""
 
     ids: list[int]
     drafter: Source
-    k: int | str
+    options: Options
     k_eff: int  # the most tokens a round may draft
-    max_tokens: int
     sampling: SamplingParams
     processors: list[Processor]
-    stops: list[str]
     eos: frozenset[int]
     max_kv_size: int | None
     prompt_cache: PromptCache | None
+    progress: Progress | None = None
 
 
-def _plan(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, *, k: int | str,
-          max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-          seed: int | None, max_kv_size: int | None,
-          logits_processors: Sequence[Processor] | None, repetition_penalty: float | None,
-          repetition_context_size: int, presence_penalty: float | None,
-          presence_context_size: int, frequency_penalty: float | None,
-          frequency_context_size: int, logit_bias: dict[int, float] | None,
-          stop: str | Sequence[str] | None, prompt_cache: PromptCache | None,
-          prompt_progress_callback: Progress | None = None,
-          chat_template: str | None = None) -> Plan:
-    """Check every argument of one generation (the one place they are checked: `stream_generate`,
-    `generate` and `batch_generate` all plan through it); ParameterError / PromptCacheError
-    naming the parameter, the allowed range and the value received."""
-    sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
+def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options: Options, *,
+            prompt_cache: PromptCache | None = None,
+            prompt_progress_callback: Progress | None = None) -> Prepared:
+    """Check what depends on the models (the drafter, the prompt, the logit bias's token ids, a
+    prompt cache, the KV bound against a round's length) for a generation of checked `options`;
+    ParameterError / PromptCacheError naming the parameter, the allowed range and the value
+    received. `stream_generate`, `batch_generate` and the server all go through it."""
     drafter = resolve_drafter(draft)
-    if drafter.drafts:
-        check_k(k)
-    check_int("max_tokens", max_tokens, 1)
-    stops = check_stop(stop)
     width = vocab_width(target)
-    processors = build_processors(
-        logits_processors, width, repetition_penalty=repetition_penalty,
-        repetition_context_size=repetition_context_size, presence_penalty=presence_penalty,
-        presence_context_size=presence_context_size, frequency_penalty=frequency_penalty,
-        frequency_context_size=frequency_context_size, logit_bias=logit_bias,
-    )
+    check_vocab(options, width)
     if prompt_progress_callback is not None and not callable(prompt_progress_callback):
         raise ParameterError("prompt_progress_callback", "a callable f(processed, total)",
                              prompt_progress_callback)
-    ids = prompt_ids(tokenizer, prompt, width, chat_template)
+    ids = prompt_ids(tokenizer, prompt, width, options.chat_template)
+    k = options.k
     k_eff = max_draft_length(drafter, k)
+    max_kv_size = options.max_kv_size
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise ParameterError("prompt_cache", "a PromptCache", type(prompt_cache).__name__)
@@ -270,8 +218,8 @@ def _plan(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, *, k: int 
     if prompt_cache is not None:
         prompt_cache.check_models(target, drafter.model)
         prompt_cache.check_free()
-    return Plan(ids, drafter, k, k_eff, max_tokens, sampling, processors, stops,
-                eos_ids(tokenizer), max_kv_size, prompt_cache)
+    return Prepared(ids, drafter, options, k_eff, options.sampling, options.processors(),
+                    eos_ids(tokenizer), max_kv_size, prompt_cache, prompt_progress_callback)
 
 
 def _stream(steps, caches, tokenizer, stops, eos, prompt_cache,

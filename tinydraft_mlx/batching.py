@@ -1,14 +1,14 @@
 """`batch_generate`: many prompts decoded together, speculation on, each exactly as alone.
 
 The text layer over the engine's `BatchDecoder` (engine/rounds.py): every prompt is checked as
-`generate` checks it (`api._plan`), runs as one sequence of the batch, and goes through the same
-streaming detokenizer and stop strings (`text.responses`) as a single generation; a sequence that
-hits a stop string leaves the batch at once, its caches cut to the tokens emitted.
+`generate` checks it (`options.make_options`, `api.prepare`), runs as one sequence of the batch,
+and goes through the same streaming detokenizer and stop strings (`text.responses`) as a single
+generation; a sequence that hits a stop string leaves the batch at once, its caches cut to the
+tokens emitted.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
@@ -16,12 +16,14 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .api import Plan, _plan, stream_generate
+from .api import Prepared, options_from, prepare
 from .engine.cache import cache_length
+from .engine.forward import vocab_width
 from .engine.lookup import PromptLookup
 from .engine.rounds import BatchDecoder, Token
 from .engine.sampling import ParameterError
 from .engine.stats import GenerationStats
+from .options import FIELDS
 from .prompt_cache import MARGIN, PromptCache
 from .text import Messages, responses
 
@@ -51,9 +53,18 @@ def batch_generate(
     if kwargs.get("prompt_progress_callback") is not None:
         raise ParameterError("prompt_progress_callback", "None in batch_generate",
                              kwargs["prompt_progress_callback"])
-    per_prompt = [_settings(kwargs, i, len(prompts)) for i in range(len(prompts))]
-    plans = [_plan(target, draft, tokenizer, prompt, **_defaults(settings))
-             for prompt, settings in zip(prompts, per_prompt)]
+    options = kwargs.pop("options", None)
+    width = vocab_width(target)
+    plans = []
+    for i, prompt in enumerate(prompts):
+        settings = _settings(kwargs, i, len(prompts))
+        cache = settings.pop("prompt_cache", None)
+        settings.pop("prompt_progress_callback", None)
+        unknown = sorted(set(settings) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"batch_generate() got unexpected keyword arguments {unknown}")
+        plans.append(prepare(target, draft, tokenizer, prompt,
+                             options_from(options, settings, width), prompt_cache=cache))
     caches = [p.prompt_cache for p in plans if p.prompt_cache is not None]
     if len({id(c) for c in caches}) < len(caches):
         raise ParameterError("prompt_cache", "a different PromptCache for every prompt",
@@ -74,7 +85,7 @@ def batch_generate(
         return _run(decoder, plans, tokenizer)
 
 
-def _draft_model(plans: list[Plan]) -> Any:
+def _draft_model(plans: list[Prepared]) -> Any:
     """The draft model the plans' sources share (None: no source has one)."""
     return next((p.drafter.model for p in plans if p.drafter.model is not None), None)
 
@@ -96,20 +107,7 @@ def _settings(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
     return out
 
 
-# generate's keyword arguments and their defaults, read from `stream_generate` itself (the one
-# place they are written)
-_DEFAULTS = {name: p.default for name, p in inspect.signature(stream_generate).parameters.items()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "prompt_progress_callback"}
-
-
-def _defaults(settings: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(settings) - set(_DEFAULTS) - {"prompt_progress_callback"})
-    if unknown:
-        raise TypeError(f"batch_generate() got unexpected keyword arguments {unknown}")
-    return {**_DEFAULTS, **{k: v for k, v in settings.items() if k in _DEFAULTS}}
-
-
-def _run(decoder: BatchDecoder, plans: list[Plan],
+def _run(decoder: BatchDecoder, plans: list[Prepared],
          tokenizer: Any) -> list[tuple[list[int], GenerationStats]]:
     feeds: dict[int, deque[Token]] = {}
     texts: dict[int, Iterator] = {}
@@ -120,12 +118,13 @@ def _run(decoder: BatchDecoder, plans: list[Plan],
         if cache is not None:
             cache.reuse(plan.ids)
             target_cache, draft_cache = cache.target_cache, cache.draft_cache
-        uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.k, max_tokens=plan.max_tokens,
+        uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.options.k,
+                             max_tokens=plan.options.max_tokens,
                              sampling=plan.sampling, eos_token_ids=plan.eos,
                              logits_processors=plan.processors, target_cache=target_cache,
                              draft_cache=draft_cache, keep_caches=cache is not None)
         feeds[uid] = deque()
-        texts[uid] = responses(_drain(feeds[uid]), tokenizer, plan.stops, plan.eos)
+        texts[uid] = responses(drain(feeds[uid]), tokenizer, plan.options.stop, plan.eos)
         order.append(uid)
     out: dict[int, tuple[list[int], GenerationStats]] = {}
     emitted: dict[int, list[int]] = {uid: [] for uid in order}
@@ -149,12 +148,13 @@ def _run(decoder: BatchDecoder, plans: list[Plan],
     return [out[uid] for uid in order]
 
 
-def _drain(feed: deque[Token]) -> Iterator[Token]:
+def drain(feed: deque[Token]) -> Iterator[Token]:
+    """The tokens in `feed`, taken from its left until it is empty."""
     while feed:
         yield feed.popleft()
 
 
-def _store(plan: Plan, done: Any, emitted: list[int]) -> None:
+def _store(plan: Prepared, done: Any, emitted: list[int]) -> None:
     if plan.prompt_cache is not None:
         record_caches(plan.prompt_cache, done, plan.ids, emitted)
 

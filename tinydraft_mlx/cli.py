@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from .api import MAX_DRAFT_TOKENS, check_k, stream_generate
+from .api import stream_generate
 from .backend import active_blas, device_name
 from .engine.distributed import DesyncError, ranks_of
 from .engine.forward import PREFILL_STEP
 from .engine.policy import DEFAULT_K
 from .engine.pruning import VocabError
-from .engine.sampling import ParameterError, SamplingParams, check_int
+from .engine.sampling import ParameterError
 from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models, no_draft_notice
+from .options import MAX_DRAFT_TOKENS, Options, make_options
 from .prompt_cache import PromptCache, PromptCacheError
-from .text import chat_ids, check_stop, read_template
+from .text import chat_ids, read_template
 
 # API parameter name -> the flag that sets it, so errors name what the user typed
 FLAGS = {
@@ -113,7 +115,11 @@ def _number(text: str | None, kind: type) -> object:
         return text
 
 
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SamplingParams:
+class UsageError(Exception):
+    """A flag the command line cannot use (told as a usage error, status 2)."""
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Options:
     """Convert and validate every value before loading a model: a wrong flag costs nothing.
     Numbers arrive as strings so that a non-number gets the same one-line message as a bad range."""
     for name, kind in [("k", int), ("max_tokens", int), ("temp", float), ("top_p", float),
@@ -129,13 +135,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sa
             _fail(parser, f"--prompt-cache-file {args.prompt_cache_file}: directory "
                           f"{str(parent)!r} does not exist")
     try:
-        sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
-        check_k(args.k)
-        check_int("max_tokens", args.max_tokens, 1)
-        check_stop(args.stop)
+        return make_options(k=args.k, max_tokens=args.max_tokens, temperature=args.temp,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, stop=args.stop, max_kv_size=args.max_kv_size)
     except ParameterError as err:
         _fail(parser, flag_message(err))
-    return sampling
 
 
 def _prompt(tokenizer, text: str, chat: bool, template: str | None = None) -> str | list[int]:
@@ -144,7 +148,7 @@ def _prompt(tokenizer, text: str, chat: bool, template: str | None = None) -> st
     if not chat and template is None:
         return text
     if template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("--chat: this tokenizer has no chat template (give one with "
+        raise UsageError("--chat: this tokenizer has no chat template (give one with "
                          "--chat-template)")
     return chat_ids(tokenizer, [{"role": "user", "content": text}],
                     None if template is None else read_template(template))
@@ -157,7 +161,7 @@ def _load_prompt_cache(path: str | None, target, draft, max_kv_size) -> PromptCa
     if Path(path).exists():
         pc = PromptCache.load(path, target, draft)
         if max_kv_size not in (None, pc.max_kv_size):
-            raise ValueError(f"--max-kv-size {max_kv_size} differs from the prompt cache file's "
+            raise UsageError(f"--max-kv-size {max_kv_size} differs from the prompt cache file's "
                              f"{pc.max_kv_size}")
         return pc
     return PromptCache(target, draft, max_kv_size=max_kv_size)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    sampling = _check_args(parser, args)
+    options = _check_args(parser, args)
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     if not text:
         _fail(parser, "--prompt must be non-empty (got an empty prompt)")
@@ -197,16 +201,14 @@ def main(argv: list[str] | None = None) -> int:
                                                distributed=args.distributed)
         prompt_cache = _load_prompt_cache(args.prompt_cache_file, target, draft, args.max_kv_size)
         prompt = _prompt(tokenizer, text, args.chat, args.chat_template)
-        steps = stream_generate(
-            target, draft, tokenizer, prompt, k=args.k,
-            max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-            max_kv_size=None if prompt_cache is not None else args.max_kv_size, stop=args.stop,
-            prompt_cache=prompt_cache, prompt_progress_callback=_ProgressBar(),
-        )
+        if prompt_cache is not None:  # the cache's bound (checked equal above)
+            options = replace(options, max_kv_size=None)
+        steps = stream_generate(target, draft, tokenizer, prompt, options=options,
+                                prompt_cache=prompt_cache,
+                                prompt_progress_callback=_ProgressBar())
     except ParameterError as err:
         _fail(parser, flag_message(err))
-    except (ModelLoadError, PromptCacheError, VocabError, ValueError) as err:
+    except (ModelLoadError, PromptCacheError, VocabError, UsageError) as err:
         _fail(parser, str(err))
     ranks = ranks_of(target)
     quiet = ranks is not None and ranks.rank != 0  # only rank 0 prints
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_name = args.draft or default_draft(args.target) or NO_DRAFT
         where = f"; {ranks.size} ranks" if ranks is not None else ""
         print(f"target: {args.target or 'bundled demo target'}; draft: {draft_name}; "
-              f"k={args.k}; {sampling}; {device_name()} backend, BLAS: {active_blas()}{where}",
+              f"k={options.k}; {options.sampling}; {device_name()} backend, BLAS: "
+              f"{active_blas()}{where}",
               file=sys.stderr)
     try:
         code = _stream_text(steps, quiet)

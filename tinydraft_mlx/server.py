@@ -28,7 +28,6 @@ from typing import NoReturn
 
 from fastapi import FastAPI
 
-from .api import MAX_DRAFT_TOKENS, check_k
 from .cli import flag_message
 from .engine.cache import KEEP
 from .engine.drafters import HYBRID, resolve_drafter
@@ -36,6 +35,7 @@ from .engine.lookup import NO_DRAFT
 from .engine.policy import DEFAULT_K
 from .engine.rounds import unbatchable
 from .engine.sampling import ParameterError, SamplingParams, check_int
+from .options import MAX_DRAFT_TOKENS, check_k
 from .serving import limits
 from .serving.app import create_app
 from .serving.service import Defaults, Service

@@ -75,6 +75,9 @@ def register(app: FastAPI, service: Service) -> None:
 # -- requests ------------------------------------------------------------------------------------
 
 
+MAX_TEMPERATURE = 1.0
+
+
 def message_spec(req: CountTokensRequest) -> Spec:
     """A Messages request as a Spec (400 for what this server cannot honour)."""
     check_unicode(req.model_dump(exclude_none=True))
@@ -91,6 +94,10 @@ def message_spec(req: CountTokensRequest) -> Spec:
     if isinstance(req, MessagesRequest):
         if req.thinking and req.thinking.get("type") not in (None, "disabled"):
             raise bad("thinking", "extended thinking is not supported")
+        t = req.temperature
+        if t is not None and not 0 <= t <= MAX_TEMPERATURE:  # Anthropic's range
+            raise bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] "
+                      f"(got {t!r})")
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       seed=req.seed, min_p=req.min_p, num_draft_tokens=req.num_draft_tokens,
@@ -129,8 +136,11 @@ def _message(i: int, m: an.Message) -> list[dict[str, Any]]:
         if block.type == "text":
             text.append(block.text or "")
         elif block.type == "tool_use" and m.role == "assistant":
-            if not block.name or block.input is None:
-                raise bad(at, "a tool_use block needs a name and an input object")
+            if not block.name:
+                raise bad(f"{at}.name", "a tool_use block needs a name")
+            if not isinstance(block.input, dict):
+                raise bad(f"{at}.input", "a tool_use block's input must be an object (got "
+                          f"{block.input!r})")
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": block.input}})
         elif block.type == "tool_result" and m.role == "user":

@@ -32,7 +32,7 @@ class Block(BaseModel):
     text: str | None = None
     id: str | None = None
     name: str | None = None
-    input: dict[str, Any] | None = None
+    input: Any = None  # a tool_use block's: an object (checked where read, naming the field)
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool | None = None

@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import anthropic_api, openai_api
-from .service import APIError, Defaults, Service, bad
+from .service import INTERNAL, APIError, Defaults, Service, bad
 from .worker import Worker
 
 MAX_BODY_BYTES = 8 << 20
@@ -61,7 +61,7 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
 
     def answer(request: Request, err: APIError) -> JSONResponse:
         endpoint = GENERATING.get(request.url.path)
-        if endpoint is not None and err.status < 500 or err.status == 503:
+        if not err.counted and (endpoint is not None and err.status < 500 or err.status == 503):
             service.metrics.rejected(endpoint or request.url.path)
         return error_response(request.url.path, err)
 
@@ -76,8 +76,8 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=err)
-        return answer(request, APIError(500, f"internal error: {type(err).__name__}: {err}",
-                                        kind="server_error", code="internal_error"))
+        return answer(request, APIError(500, INTERNAL, kind="server_error",
+                                        code="internal_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

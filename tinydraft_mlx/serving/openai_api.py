@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
-from ..engine.sampling import ParameterError, check_int
 from ..tool_calls import ToolCall
 from . import openai_schema as oa
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
@@ -36,10 +35,8 @@ from .service import (
     bad,
     check_unicode,
     failure,
-    parameter_error,
 )
 
-MAX_TOP_LOGPROBS = 20
 TOOL_CHOICES = ("auto", "none", "required")
 
 
@@ -99,7 +96,7 @@ def completion_spec(req: CompletionRequest) -> Spec:
             raise bad("prompt", f"one prompt per request (got a list of {len(prompt)} "
                       "strings)")
         prompt = prompt[0]
-    logprobs = None if req.logprobs is None else _top("logprobs", req.logprobs)
+    logprobs = req.logprobs
     return Spec(prompt=prompt, max_tokens=req.max_tokens, logprobs=logprobs, **common)
 
 
@@ -112,7 +109,7 @@ def chat_spec(req: ChatCompletionRequest) -> Spec:
     common = _common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
-    logprobs = _top("top_logprobs", req.top_logprobs or 0) if req.logprobs else None
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     tools = None
     if req.tools:
@@ -123,14 +120,7 @@ def chat_spec(req: ChatCompletionRequest) -> Spec:
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return Spec(messages=_messages(req), tools=tools, tool_choice=_tool_choice(req.tool_choice),
                 max_tokens=getattr(req, name), logprobs=logprobs,
-                fields={"max_tokens": name}, **common)
-
-
-def _top(name: str, value: int) -> int:
-    try:
-        return check_int(name, value, 0, MAX_TOP_LOGPROBS)
-    except ParameterError as err:
-        raise parameter_error(err) from None
+                fields={"max_tokens": name, "logprobs": "top_logprobs"}, **common)
 
 
 def _tool_choice(choice: str | oa.NamedToolChoice | None) -> str | dict[str, str] | None:
@@ -213,11 +203,11 @@ def _whole(service: Service, plan: Plan, pieces: list[Piece], done: Done) -> dic
         choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             choice["message"]["tool_calls"] = [oa.tool_call(c) for c in calls]
-        if plan.logprobs is not None:
+        if plan.options.logprobs is not None:
             choice["logprobs"] = oa.chat_logprobs(service.tokenizer, pieces)
     else:
         choice["text"] = text
-        if plan.logprobs is not None:
+        if plan.options.logprobs is not None:
             choice["logprobs"] = oa.completion_logprobs(service.tokenizer, pieces, 0)
     return {
         "id": oa.new_id("chatcmpl" if plan.chat else "cmpl"),
@@ -284,10 +274,10 @@ def _chunk_choice(service: Service, plan: Plan, reply: Reply, piece: Piece,
         if calls:
             choice["delta"]["tool_calls"] = [oa.tool_call(c, known + i)
                                              for i, c in enumerate(calls)]
-        if plan.logprobs is not None:
+        if plan.options.logprobs is not None:
             choice["logprobs"] = oa.chat_logprobs(service.tokenizer, [piece])
     else:
         choice["text"] = text
-        if plan.logprobs is not None:
+        if plan.options.logprobs is not None:
             choice["logprobs"] = oa.completion_logprobs(service.tokenizer, [piece], offset)
     return choice

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -23,19 +23,20 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from jinja2 import TemplateError
 
-from ..api import check_k
 from ..engine.drafters import HYBRID, MODEL, Hybrid
 from ..engine.forward import vocab_width
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
 from ..engine.policy import DEFAULT_K
-from ..engine.sampling import ParameterError, SamplingParams, check_int
-from ..text import chat_text, check_stop, prompt_ids
+from ..engine.sampling import ParameterError
+from ..options import Options, check_k, make_options
+from ..text import chat_text, prompt_ids
 from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
 from .metrics import Metrics
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
 DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, both, none
 DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, HYBRID, NO_DRAFT)
+INTERNAL = "the server failed to generate this reply (the error is in its log)"
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
 
 log = logging.getLogger("tinydraft_mlx.server")
@@ -47,11 +48,12 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, counted: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (
             status, message, param, code, kind)
         self.headers = headers
+        self.counted = counted  # the request's outcome is in the metrics already
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -68,7 +70,7 @@ def parameter_error(err: ParameterError, renames: dict[str, str] | None = None) 
     renames = renames or {}
     param = renames.get(err.name) or renames.get(_PARAMS.get(err.name, "")) or _PARAMS.get(
         err.name, err.name)
-    name = param if err.name in ("k", "max_tokens", "stop") else err.name
+    name = param if err.name in ("k", "max_tokens", "stop", "logprobs") else err.name
     return bad(param, f"{name} must be {err.allowed} (got {err.value!r})")
 
 
@@ -134,8 +136,7 @@ class Plan:
 
     prompt: list[int]
     draft: str
-    options: dict[str, Any]
-    logprobs: int | None
+    options: Options
     stream: bool
     include_usage: bool
     chat: bool
@@ -194,38 +195,29 @@ class Service:
         own fields and the request's strings, `check_unicode`.)"""
         self.check_model(spec)
         draft = self._draft(spec.draft)
-        k = self.defaults.k if spec.num_draft_tokens is None else spec.num_draft_tokens
-        options = {
-            "k": k,
-            "temperature": (self.defaults.temperature if spec.temperature is None
-                            else spec.temperature),
-            "top_p": 1.0 if spec.top_p is None else spec.top_p,
-            "top_k": 0 if spec.top_k is None else spec.top_k,
-            "min_p": 0.0 if spec.min_p is None else spec.min_p,
-            "seed": spec.seed,
-            "stop": spec.stop,
-            "presence_penalty": spec.presence_penalty,
-            "frequency_penalty": spec.frequency_penalty,
-            "repetition_penalty": spec.repetition_penalty,
-            "logit_bias": self._logit_bias(spec),
-        }
+        d = self.defaults
         try:
-            SamplingParams(options["temperature"], options["top_p"], options["top_k"],
-                           options["min_p"], options["seed"])
+            options = make_options(
+                vocab_size=self.vocab,
+                k=d.k if spec.num_draft_tokens is None else spec.num_draft_tokens,
+                max_tokens=spec.max_tokens,
+                temperature=d.temperature if spec.temperature is None else spec.temperature,
+                top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p, seed=spec.seed,
+                stop=spec.stop, presence_penalty=spec.presence_penalty,
+                frequency_penalty=spec.frequency_penalty,
+                repetition_penalty=spec.repetition_penalty,
+                logit_bias=self._logit_bias(spec), logprobs=spec.logprobs)
             # checked whatever the draft: a bad value is an error, never ignored
-            check_k(k, self.worker.max_kv_size if draft != NO_DRAFT else None)
-            if spec.max_tokens is not None:
-                check_int("max_tokens", spec.max_tokens, 1)
-            check_stop(options["stop"])
+            check_k(options.k, self.worker.max_kv_size if draft != NO_DRAFT else None)
         except ParameterError as err:
             raise parameter_error(err, spec.fields) from None
         chat = spec.messages is not None
         tools, fmt, forced = self.tools_for(spec) if chat else ([], None, "")
         ids = (self.chat_prompt(spec, tools, spec.prefill + forced) if chat
                else self._text_prompt(spec))
-        options["max_tokens"] = self._max_tokens(len(ids), spec)
-        return Plan(ids, draft, options, spec.logprobs, spec.stream, spec.include_usage, chat,
-                    tools, fmt, forced)
+        options = replace(options, max_tokens=self._max_tokens(len(ids), spec))
+        return Plan(ids, draft, options, spec.stream, spec.include_usage, chat, tools, fmt,
+                    forced)
 
     def tools_for(self, spec: Spec) -> tuple[list[dict[str, Any]], ToolFormat | None, str]:
         """(tools shown to the model, the format its calls are parsed with, forced text)."""
@@ -365,7 +357,7 @@ class Service:
 
         draft = {DRAFT_MODEL: self.worker.draft, HYBRID: Hybrid(self.worker.draft)}.get(
             plan.draft, plan.draft) if self.worker.draft is not None else plan.draft
-        job = Job(plan.prompt, draft, plan.options, deliver, plan.logprobs)
+        job = Job(plan.prompt, draft, plan.options, deliver)
         try:
             self.worker.submit(job)
         except QueueFull as err:
@@ -542,14 +534,15 @@ def busy(message: str, retry_after: int) -> APIError:
 
 
 def failure(error: Exception) -> APIError:
-    """A job's error as an API error: invalid options (a `ParameterError`, raised by the
-    library's checks) are the client's (400); anything else, a `ValueError` from deep inside
-    MLX included, is ours (500, logged)."""
+    """The error of a job that ran (its outcome, "failed", is counted already): invalid options
+    (a `ParameterError`) are the client's (400); anything else, a `ValueError` from deep inside
+    MLX included, is ours: a 500 whose body says nothing of the exception (it is logged)."""
     if isinstance(error, ParameterError):
-        return parameter_error(error)
+        err = parameter_error(error)
+        err.counted = True
+        return err
     log.error("generation failed", exc_info=error)
-    return APIError(500, f"generation failed: {type(error).__name__}: {error}",
-                    kind="server_error", code="generation_failed")
+    return APIError(500, INTERNAL, kind="server_error", code="generation_failed", counted=True)
 
 
 def check_unicode(value: Any, where: str = "") -> None:

@@ -1,15 +1,15 @@
 """One model, one generation thread: a bounded FIFO of jobs and the thread that runs them.
 
 MLX evaluates one stream at a time, so a server runs its generations on a single thread, off the
-event loop (which keeps serving `/health` and accepting connections). With `max_batch` 1 the
-thread runs one generation after another; with `max_batch` B it runs up to B at once, as the
-sequences of one `BatchDecoder` (engine/rounds.py): a job joins the running batch between rounds
-(after its prompt's prefill, chunked between rounds) and leaves when it finishes, is cancelled or
-fails. A job is a prompt (token ids), the `stream_generate` options and a `deliver` callback; the
-thread sends it a `Started`, then a `Piece` per token, then `Done` (or `Failed`, whose error says
-what went wrong: an invalid option is a `ParameterError`). Setting `job.cancelled` (a client hung
-up) stops the generation before its next token, i.e. within one round; the caches keep exactly
-prompt + the tokens emitted and go back to the prompt-cache pool.
+event loop (which keeps serving `/health` and accepting connections). The thread runs up to
+`max_batch` jobs at once as the sequences of one `BatchDecoder` (engine/rounds.py), the engine
+every generation runs on; with `max_batch` 1 that is its batch of one, on the sequence's own
+cache layout (also where the models cannot be batched). A job joins between rounds (its prompt's
+prefill chunked between rounds) and leaves when it finishes, is cancelled or fails. A job is a
+prompt (token ids), its checked `Options` and a `deliver` callback; the thread sends it a
+`Started`, then a `Piece` per token, then `Done` (or `Failed`). Setting `job.cancelled` (a client
+hung up) stops the generation before its next token or prefill chunk, i.e. within one round; the
+caches keep exactly prompt + the tokens emitted and go back to the prompt-cache pool.
 
 Nothing a job does ends the thread: every error is reported to that job (and logged), and the
 thread takes the next one. `alive` says whether the thread runs; `submit` refuses jobs
@@ -32,10 +32,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..api import _plan, stream_generate
-from ..batching import _defaults, _drain, record_caches
+from ..api import prepare
+from ..batching import drain, record_caches
+from ..engine.forward import PREFILL_STEP
 from ..engine.rounds import BatchDecoder, Token
 from ..engine.stats import GenerationStats
+from ..options import Options
 from ..prompt_cache import MARGIN, PromptCache
 from ..text import GenerationResponse, responses
 from .cache_pool import PromptCachePool
@@ -92,14 +94,13 @@ Event = Started | Piece | Done | Failed
 @dataclass
 class Job:
     """A generation request. prompt: token ids; draft: as `stream_generate` takes it; options:
-    `stream_generate`'s other keyword arguments; logprobs: None, or how many top alternatives to
-    report with each token's log-probability (0 = only the token's)."""
+    the checked `Options` (their `logprobs`: None, or how many top alternatives to report with
+    each token's log-probability, 0 = only the token's)."""
 
     prompt: list[int]
     draft: Any
-    options: dict[str, Any]
+    options: Options
     deliver: Callable[[Event], None]
-    logprobs: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -126,7 +127,7 @@ class Worker:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
         self.max_batch = max_batch
-        self.live: dict[int, _Live] = {}  # uid -> the batch's jobs (max_batch > 1)
+        self.live: dict[int, _Live] = {}  # uid -> the batch's jobs
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.max_kv_size = max_kv_size
         self.pool = PromptCachePool(
@@ -138,8 +139,9 @@ class Worker:
         self.cache_info = (0, 0)  # (caches, bytes) in the pool after the latest job
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._seconds = 1.0  # running mean of a job's duration, for Retry-After
-        run = self._run if max_batch == 1 else self._run_batched
-        self._thread = threading.Thread(target=run, name="tinydraft-generation", daemon=True)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tinydraft-generation",
+                                        daemon=True)
 
     @property
     def waiting(self) -> int:
@@ -147,8 +149,8 @@ class Worker:
 
     @property
     def batch(self) -> int:
-        """Generations running now (0 or 1 with max_batch 1)."""
-        return len(self.live) if self.max_batch > 1 else int(self.running)
+        """Generations running now."""
+        return len(self.live)
 
     @property
     def alive(self) -> bool:
@@ -170,7 +172,9 @@ class Worker:
             raise QueueFull(max(1, round(wait))) from None
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Cancel the waiting jobs, let the running one see its cancel flag, end the thread."""
+        """Cancel the waiting jobs and the running ones (each gets its `Done(cancelled=True)`
+        within a round), end the thread."""
+        self._stopping = True
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -184,73 +188,12 @@ class Worker:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            start = time.perf_counter()
-            self.running = True
-            try:
-                outcome = self._generate(job)
-            except Exception as err:  # a bug outside the generation: this job fails, not the thread
-                self.errors += 1
-                log.error("the generation thread caught an error", exc_info=err)
-                outcome = "failed"
-                _deliver(job, Failed(err))
-            finally:
-                self.running = False
-            self.counts[outcome] += 1
-            self.cache_info = (len(self.pool), self.pool.nbytes)
-            self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - start)
-
-    def _generate(self, job: Job) -> str:
-        """Run one job; returns how it ended: "completed", "cancelled" or "failed"."""
-        if job.cancelled.is_set():  # its client left while it waited
-            job.deliver(Done(None, cancelled=True))
-            return "cancelled"
-        pc = stream = None
-        try:
-            pc = self.pool.take(job.prompt)
-            stream = stream_generate(self.target, job.draft, self.tokenizer, job.prompt,
-                                     prompt_cache=pc, **job.options)
-            job.deliver(Started())
-            stats = None
-            for response in stream:
-                stats = response.stats
-                job.deliver(_piece(response, job.logprobs))
-                if job.cancelled.is_set() and response.finish_reason is None:
-                    job.deliver(Done(stats, cancelled=True))  # `finally` closes the stream
-                    return "cancelled"
-            job.deliver(Done(stats))
-            return "completed"
-        except Exception as err:  # reported to the client; the server keeps running
-            job.deliver(Failed(err))
-            return "failed"
-        finally:
-            self._finish(stream, pc)
-
-    def _finish(self, stream: Any, pc: PromptCache | None) -> None:
-        """Close the stream (which rolls the caches back to prompt + emitted) and return the
-        cache to the pool; a cache whose close failed is dropped, never pooled half-updated."""
-        try:
-            if stream is not None:
-                stream.close()
-        except Exception as err:
-            self.errors += 1
-            log.error("closing a generation failed; its prompt cache is dropped", exc_info=err)
-            return
-        if pc is not None:
-            self.pool.put(pc)
-
-
-    # -- batched ------------------------------------------------------------------------------
-    def _run_batched(self) -> None:
         """Up to max_batch jobs as one batch: admit waiting jobs between rounds, run a round,
         hand every job its tokens, let finished, cancelled and failed jobs leave."""
         decoder = self._decoder()
         while True:
             try:
-                stop = self._admit_waiting(decoder)
+                stop = self._stopping or self._admit_waiting(decoder)
                 if stop:
                     for uid in list(self.live):
                         self._leave(decoder, uid, Done(self.live[uid].stats, cancelled=True),
@@ -283,9 +226,11 @@ class Worker:
                 self.cache_info = (len(self.pool), self.pool.nbytes)
 
     def _decoder(self) -> BatchDecoder:
+        single = self.max_batch == 1  # one sequence at a time, on its prompt cache's own layout
         return BatchDecoder(self.target, self.draft, max_kv_size=self.max_kv_size,
                             max_k=MARGIN - 1,  # the row layout of the pool's bounded caches
-                            prefill_step=JOIN_PREFILL_STEP)
+                            prefill_step=PREFILL_STEP if single else JOIN_PREFILL_STEP,
+                            single=single)
 
     def _admit_waiting(self, decoder: BatchDecoder) -> bool:
         """Take waiting jobs into the batch (blocking while it is empty); True on stop."""
@@ -308,24 +253,24 @@ class Worker:
             job.deliver(Done(None, cancelled=True))
             self.counts["cancelled"] += 1
             return
-        plan = _plan(self.target, job.draft, self.tokenizer, job.prompt,
-                     **_defaults(job.options))
+        plan = prepare(self.target, job.draft, self.tokenizer, job.prompt, job.options)
         pc = self.pool.take(plan.ids)
         pc.check_free()
         pc.in_use = True
         try:
             pc.reuse(plan.ids)
-            uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.k, max_tokens=plan.max_tokens,
+            uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.options.k,
+                                 max_tokens=plan.options.max_tokens,
                                  sampling=plan.sampling, eos_token_ids=plan.eos,
                                  logits_processors=plan.processors,
                                  target_cache=pc.target_cache, draft_cache=pc.draft_cache,
-                                 logprobs=job.logprobs is not None, keep_caches=True)
+                                 logprobs=job.options.logprobs is not None, keep_caches=True)
         except Exception:
             pc.in_use = False
             raise
         feed: deque[Token] = deque()
         self.live[uid] = _Live(job, plan, pc, feed,
-                               responses(_drain(feed), self.tokenizer, plan.stops, plan.eos),
+                               responses(drain(feed), self.tokenizer, plan.options.stop, plan.eos),
                                time.perf_counter())
         job.deliver(Started())
 
@@ -339,7 +284,7 @@ class Worker:
                 response = next(live.text)
                 live.emitted.append(response.token)
                 live.stats = response.stats
-                live.job.deliver(_piece(response, live.job.logprobs))
+                live.job.deliver(_piece(response, live.job.options.logprobs))
                 if response.finish_reason is not None:
                     self._leave(decoder, uid, Done(response.stats), "completed")
                     return
