@@ -11,8 +11,9 @@ plain round (E = 1).
 - Acceptance (`Acceptance`): per (pair, sampling regime), per position, accepted / reached counts
   that forget at DECAY per observation (text changes; ~30 rounds count), with a Beta(1, 1)
   prior; a position never reached borrows the one before it.
-- Costs (`RoundCosts`): per (pair, batch size bucket), the median of the last RECENT timed rounds
-  of each k. An untimed k is extrapolated from the nearest timed one at the slope a timed
+- Costs (`RoundCosts`): per (pair, batch size bucket), from the last RECENT timed rounds of each
+  k, the median of consecutive pairs' means (`typical`: pipelined plain rounds book their time
+  unevenly). An untimed k is extrapolated from the nearest timed one at the slope a timed
   drafting k showed (SLOPE until one is timed); the choice goes at most one step beyond the
   largest timed k, so k grows as costs are measured rather than on a guess.
 - Exploring: a pair new to the process times plain rounds first (R(0)), then drafts EXPLORE
@@ -86,6 +87,17 @@ def expected_tokens(alphas: list[float], k: int) -> float:
     return total
 
 
+def typical(seconds: deque[float]) -> float:
+    """A round's typical cost from its recent timings: the median of the means of consecutive
+    pairs. Pipelined plain rounds book their device time unevenly: on MLX's CPU backend reading
+    a round waits for the one queued behind it too, so the timings alternate ~2R and ~0 and
+    their median can be either; a pair's mean undoes that, the median keeps an outlier out."""
+    values = list(seconds)
+    if len(values) < 2:
+        return values[0]
+    return statistics.median((a + b) / 2 for a, b in zip(values, values[1:]))
+
+
 class RoundCosts:
     """R(k) of one pair at one batch size bucket, plus the probe schedule of its plain choices."""
 
@@ -104,13 +116,13 @@ class RoundCosts:
     def cost(self, k: int) -> float:
         """R(k): measured, or extrapolated (see the module docstring). Needs R(0)."""
         if self.timed(k):
-            return statistics.median(self.timings[k])
-        plain = statistics.median(self.timings[0])
+            return typical(self.timings[k])
+        plain = typical(self.timings[0])
         drafting = [j for j in self.timings if j > 0]
         slope = SLOPE
         if drafting:
             near = min(drafting, key=lambda j: abs(j - k))
-            slope = max(0.0, (statistics.median(self.timings[near]) / plain - 1) / near)
+            slope = max(0.0, (typical(self.timings[near]) / plain - 1) / near)
         return plain * (1 + slope * k)
 
     def to_json(self) -> dict[str, list[float]]:
