@@ -1,8 +1,9 @@
 """End to end: at temperature 1 with top-p, the first two speculative tokens follow the oracle's
-exact two-step distribution.
+exact two-step distribution, with a seed (the Gumbel-max coupling of engine/seeded.py) and
+without one (min(1, p/q) rejection sampling).
 
 The oracle enumerates P(a, b) = p1(a) p2(b | a), each factor warped by the independent NumPy warp
-(tests/reference.py) from transformers fp32 logits. Our samples come from N independent seeds of
+(tests/reference.py) from transformers fp32 logits. Our samples come from N seeds (or N unseeded runs) of
 `generate(k=2)`, whose first round drafts two tokens, so both the accept path and the residual
 resampling path shape the pair. The same for k="auto" (a plain round, then k = 1), for
 prompt-lookup drafts (point-mass proposals) and a hybrid's lookup round, for a draft whose
@@ -55,10 +56,12 @@ def _case(name, pair, oracle, load):
     return (Hybrid(draft) if name == "hybrid" else "prompt-lookup"), 2, copy
 
 
-@pytest.mark.parametrize("drafter", ["model", "auto", "prompt-lookup", "hybrid", "wide",
-                                     "bounded"])
+@pytest.mark.parametrize("drafter,seeded", [
+    ("model", True), ("auto", True), ("prompt-lookup", True), ("hybrid", True), ("wide", True),
+    ("bounded", True), ("model", False), ("prompt-lookup", False)])
 @pytest.mark.parametrize("warp_kw", [dict(temperature=1.0, top_p=0.8)])
-def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, monkeypatch):
+def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, seeded,
+                                        monkeypatch):
     scripted(monkeypatch, (1,))  # k="auto" drafting k = 1 (what the policy may well choose)
     target, _, tok = pair
     draft, k, ids = _case(drafter, pair, oracle, load)
@@ -76,7 +79,8 @@ def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, mo
     # rolled back to it (exact: test_prompt_cache), instead of prefilling it again (~2x faster)
     cache = PromptCache(target, draft_model(draft), max_kv_size=WINDOW if bounded else None)
     for seed in range(N):
-        out, stats = generate(target, draft, tok, ids, k=k, max_tokens=3, seed=seed,
+        out, stats = generate(target, draft, tok, ids, k=k, max_tokens=3,
+                              seed=seed if seeded else None,
                               top_p=warp_kw["top_p"], temperature=warp_kw["temperature"],
                               prompt_cache=cache)
         counts[tuple(out[:2])] += 1
@@ -87,6 +91,29 @@ def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, mo
 
     wrong_stat, wrong_df = chi2_statistic(counts, wrong, N)
     assert wrong_stat > chi2_threshold(wrong_df)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.7, 20), (1.0, 0)])
+def test_a_seed_fixes_the_text(pair, temperature, top_k, monkeypatch):
+    """A seeded text is plain decoding's with that seed: the same with any drafter, any k
+    (fixed, or k="auto" with any schedule), alone or beside other sequences in a batch."""
+    from tinydraft_mlx import batch_generate
+
+    target, draft, tok = pair
+    kw = dict(max_tokens=24, temperature=temperature, top_k=top_k, seed=7)
+    plain, _ = generate(target, None, tok, PROMPT, **kw)
+    drafted = 0
+    for source, k in [(draft, 1), (draft, 4), ("prompt-lookup", 3), (Hybrid(draft), 2)]:
+        out, stats = generate(target, source, tok, PROMPT, k=k, **kw)
+        assert out == plain, (source, k)
+        drafted += stats.drafted
+    assert drafted > 0
+    scripted(monkeypatch, (0, 3, 1, 0, 2))  # k="auto" choosing anything, round after round
+    assert generate(target, draft, tok, PROMPT, k="auto", **kw)[0] == plain
+    outs = batch_generate(target, draft, tok, ["x = [", PROMPT, "import os"], k=2,
+                          max_tokens=24, temperature=temperature, top_k=top_k, seed=[1, 7, 2])
+    assert outs[1][0] == plain
+    assert generate(target, None, tok, PROMPT, **{**kw, "seed": 8})[0] != plain
 
 
 def test_same_seed_same_output_and_seeds_differ(pair):

@@ -9,10 +9,12 @@ embedding: they are clamped for the forward pass only (`forward.model_inputs`); 
 is never accepted (p is 0 there), so the positions after it, the only ones the clamp changes,
 are always discarded.
 
-Randomness: a seeded row draws with its own keys (its outcome does not depend on the rows beside
-it); unseeded rows draw together, one key per kind of draw (each row still exactly distributed).
-Unseeded plain steps at a temperature alone (no filter, no processors) sample softmax(x / T)
-directly, all rows of one temperature in one draw.
+Randomness: a seeded row's tokens are the Gumbel-max choices of its (seed, position) noise
+(`seeded.py`): drafts are accepted while they equal the target's choice, so its text is plain
+decoding's with that seed, whatever drafted it and whatever rows are beside it. Unseeded rows keep
+min(1, p/q) rejection sampling (`rejection.py`) and draw together, one key per kind of draw (each
+row still exactly distributed); their plain steps at a temperature alone (no filter, no
+processors) sample softmax(x / T) directly, all rows of one temperature in one draw.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import seeded
 from .drafters import Proposals
 from .rejection import speculative_accept, speculative_accept_rows
 from .sampling import process_logits, sample_rows, sampling_groups, warp
@@ -47,10 +50,11 @@ def _processed(row: Any, b: int, proposals: Proposals, logits: mx.array) -> mx.a
 
 
 def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
-           shared_key: Callable[[], mx.array]) -> tuple[list, list]:
+           shared_key: Callable[[], mx.array], ahead: int = 0) -> tuple[list, list]:
     """(per row: its greedy argmaxes or [n, token] / [token]; per row: its processed logits
     where it wants log-probabilities, else None). `logits`: (B, L, V); `shared_key()` a fresh
-    key for unseeded rows' joint draws."""
+    key for unseeded rows' joint draws; `ahead`: tokens each row will have emitted before this
+    round's first (1 for a plain round queued ahead of the current one's read)."""
     simple = [not r.processors and r.sampling.greedy for r in rows]
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
     results: list[mx.array | None] = [None] * len(rows)
@@ -77,6 +81,12 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
             results[j] = argmax[j, : k + 1]
         elif row.sampling.greedy:
             results[j] = mx.argmax(row_logits[0], axis=-1).astype(mx.int32)
+        elif row.sampling.seed is not None:  # the target's Gumbel-max choice at each position
+            p = (warped[j] if j in warped else warp(row_logits, row.sampling))[0, : k + 1]
+            start = len(row.seq) + ahead
+            results[j] = (seeded.pick(p, seeded.noise(row.sampling.seed, start, 1, p.shape[-1]))
+                          if k == 0 else
+                          seeded.coupled_accept(p, proposals.drafts(j), row.sampling.seed, start))
         elif k == 0 and j in warped and row.sampling.seed is None:
             plain_shared.append(j)
         elif k == 0:  # a plain step with the row's own key
@@ -92,14 +102,11 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
                              shared_key())
         for i, j in enumerate(plain_shared):
             results[j] = tokens[i : i + 1]
-    drafting = [j for j in warped if rows[j].round_k > 0]
-    for seeded in (True, False):  # acceptance in one batch per kind of key
-        members = [j for j in drafting if (rows[j].sampling.seed is not None) == seeded]
-        if members:
-            pairs = _accept(rows, members, proposals, warped,
-                            [rows[j].verify_key for j in members] if seeded else shared_key())
-            for i, j in enumerate(members):
-                results[j] = pairs[i]
+    members = [j for j in warped if rows[j].round_k > 0 and results[j] is None]
+    if members:  # unseeded drafting rows: the rejection rule in one batch
+        pairs = _accept(rows, members, proposals, warped, shared_key())
+        for i, j in enumerate(members):
+            results[j] = pairs[i]
     return results, kept
 
 

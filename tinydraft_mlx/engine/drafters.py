@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import seeded
 from .cache import Cache, cache_length
 from .forward import model_inputs, prefill
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
@@ -423,8 +424,9 @@ class Drafting:
     def _chain(self, ordered: list[tuple[int, Any, int]]) -> tuple[mx.array, list]:
         """One batched chain of max(k) draft steps over every model row (rows drafting fewer, or
         none, feed what they have and are rolled back at commit): (model rows, steps) ids and
-        each row's q (None when greedy). A seeded row samples with its own key (the same draws
-        alone or in any batch); unseeded rows share one draw per step."""
+        each row's q (None when greedy). A seeded row proposes the Gumbel-max choice of its
+        (seed, position) noise (`seeded.py`), the noise its verify uses; unseeded rows sample,
+        each with its own key."""
         rows = [r for _, r, _ in ordered]
         ks = [k for _, _, k in ordered]
         caches = self.caches
@@ -438,7 +440,8 @@ class Drafting:
         last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
         logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
         sampled = [j for j, (r, k) in enumerate(zip(rows, ks)) if k and not r.sampling.greedy]
-        keys = {j: mx.random.split(rows[j].draft_key, ks[j]) for j in sampled}
+        keys = {j: mx.random.split(rows[j].draft_key, ks[j]) for j in sampled
+                if rows[j].sampling.seed is None}
         histories = {j: mx.array(r.seq, dtype=mx.int32) for j, r in enumerate(rows)
                      if r.processors}
         qs: dict[int, list[mx.array]] = {j: [] for j in sampled}
@@ -456,8 +459,9 @@ class Drafting:
                                          for j in range(len(rows))]
 
     def _step(self, rows, ks, i, logits, histories, qs, keys, chain) -> mx.array:
-        """Step i's token for every chain row: sampled from its warped q with its own key where
-        it samples and drafts this far, else the argmax (a greedy row, or padding)."""
+        """Step i's token for every chain row: drawn from its warped q where it samples and
+        drafts this far (seeded: with its position's noise), else the argmax (a greedy row, or
+        padding)."""
         warped: dict[int, mx.array] = {}
         for members in sampling_groups(rows, lambda j, r: j in qs and i < ks[j]
                                        and j not in histories).values():
@@ -472,7 +476,10 @@ class Drafting:
             if j in qs and i < ks[j]:
                 q = warped[j] if j in warped else warp(row_logits, row.sampling)
                 qs[j].append(q)
-                picks.append(sample_rows(q[None], keys[j][i])[0])
+                seed = row.sampling.seed
+                picks.append(sample_rows(q[None], keys[j][i])[0] if seed is None else
+                             seeded.pick(q, seeded.noise(seed, len(row.seq) + i, 1,
+                                                         q.shape[-1])[0]))
             else:
                 picks.append(mx.argmax(row_logits, axis=-1))
         return mx.stack(picks).astype(mx.int32)

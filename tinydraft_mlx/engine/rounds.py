@@ -20,9 +20,11 @@ A round, for all rows at once:
    booked, finished rows leave the batch.
 
 Cache bookkeeping: `seq` is prompt + emitted tokens; between rounds a row's target cache holds
-seq[:-1] (seq[-1] is pending) and its draft cache a prefix of it. Randomness is per sequence (its
-seed's key, split per round), so what a seeded sequence samples does not depend on the sequences
-beside it (up to the float rounding of batched matmuls, docs/design.md).
+seq[:-1] (seq[-1] is pending) and its draft cache a prefix of it. A seeded sequence's randomness
+is keyed by (seed, position) and its tokens are the target's Gumbel-max choices (`seeded.py`), so
+its text is plain decoding's with that seed whatever drafted it and whatever sequences are beside
+it (up to the float rounding of batched matmuls, docs/design.md); unseeded sequences draw from
+keys of their own, split per round.
 
 Prefill of a joining sequence runs on one-sequence caches, `prefill_step` tokens per `step()` at
 most (a long prompt does not stall the live rows); the row joins when its prompt is in. Where the
@@ -439,11 +441,13 @@ class BatchDecoder:
 
     def _verify(self, proposals: Proposals, inputs: mx.array | None = None) -> tuple[list, list]:
         """One batched forward of every row's [last, d_1..d_k] (`inputs`: the (B, 1) last
-        tokens of a plain round, on the device), then the acceptance rule per row (lazy)."""
+        tokens of the current round, on the device, for a plain round queued ahead), then the
+        acceptance rule per row (lazy)."""
         x = inputs if inputs is not None else proposals.inputs([r.seq[-1] for r in self.rows])
         x = model_inputs(self.target, x)  # a wider draft's ids: clamped (acceptance.py)
         logits = self.target_cache.forward(self.target, x)  # (B, L, V)
-        return verify(self.rows, proposals, logits, self._shared_key)
+        return verify(self.rows, proposals, logits, self._shared_key,
+                      ahead=0 if inputs is None else 1)
 
     def _shared_key(self) -> mx.array:
         self.key, key = mx.random.split(self.key)

@@ -1,0 +1,75 @@
+"""Seeded sampling: randomness keyed by (seed, absolute position), so that a seed fixes the text.
+
+A seeded sequence's token at position t (its index in prompt + output) is the Gumbel-max sample
+argmax_x(log p_t(x) + G_t(x)), where p_t is the target's warped distribution there and G_t(x) a
+standard Gumbel variate computed from (seed, t, x) alone (`noise`): an exact draw from p_t, and
+what plain decoding with that seed emits. In a speculative round the draft proposes with the same
+noise (argmax_x(log q + G_t(x)) at each position t it drafts), the target's choice is made at
+each verified position, and the drafts are accepted while they equal it; the token after them is
+the target's own choice. So every emitted token is the one plain decoding with the seed emits,
+whatever the drafter, k, or the rows beside it: the text depends only on the prompt, the settings
+and the seed. A draft is accepted with probability P(argmax(log p + G) = argmax(log q + G)),
+which is at most sum_x min(p, q), the acceptance of min(1, p/q) rejection sampling (unseeded rows
+keep that rule; what the difference costs is measured in results/seeded.json).
+
+The noise is a counter-based hash (MurmurHash3's 32-bit finalizer, chained over the seed's two
+halves, the position and the token id) turned into a uniform u in (0, 1) with 24 bits and then
+into -log(-log(u)); it needs no state, so a position's noise is the same in any round, batch or
+process, on any backend.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # MurmurHash3 fmix32's multipliers
+_GOLDEN = 0x9E3779B9  # spreads token ids apart before mixing
+
+
+def _u32(value: int) -> mx.array:
+    return mx.array(value & 0xFFFFFFFF, dtype=mx.uint32)
+
+
+def _mix(x: mx.array) -> mx.array:
+    """MurmurHash3's fmix32 on uint32 arrays (multiplication wraps modulo 2^32)."""
+    x = x ^ (x >> _u32(16))
+    x = x * _u32(_M1)
+    x = x ^ (x >> _u32(13))
+    x = x * _u32(_M2)
+    return x ^ (x >> _u32(16))
+
+
+@mx.compile
+def _gumbel(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array,
+            tokens: mx.array) -> mx.array:
+    base = _mix(_mix(_mix(seed_hi) ^ seed_lo) ^ positions)  # (n, 1)
+    h = _mix(base ^ (tokens * _u32(_GOLDEN)))  # (n, V)
+    u = ((h >> _u32(8)).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -mx.log(-mx.log(u))
+
+
+def noise(seed: int, start: int, n: int, width: int) -> mx.array:
+    """(n, width) float32 standard Gumbel variates for positions start..start+n-1 and token ids
+    0..width-1 of the sequence seeded with `seed` (0 <= seed < 2^63)."""
+    positions = mx.arange(start, start + n, dtype=mx.uint32)[:, None]
+    tokens = mx.arange(width, dtype=mx.uint32)[None]
+    return _gumbel(_u32(seed), _u32(seed >> 32), positions, tokens)
+
+
+def pick(probs: mx.array, gumbel: mx.array) -> mx.array:
+    """argmax(log probs + gumbel) over the last axis (int32): a zero-probability token is never
+    picked. `gumbel` may be wider than `probs` (its first columns are used)."""
+    width = probs.shape[-1]
+    scores = mx.where(probs > 0, mx.log(mx.maximum(probs, 1e-38)) + gumbel[..., :width], -mx.inf)
+    return mx.argmax(scores, axis=-1).astype(mx.int32)
+
+
+def coupled_accept(p: mx.array, drafts: mx.array, seed: int, start: int) -> mx.array:
+    """[n, token] of a seeded row's drafting round: p (k + 1, V) its warped target distributions
+    at positions start..start+k, `drafts` (k,) its proposals; the target's choice at every
+    position, the drafts accepted while they equal it, then the target's choice after them."""
+    k = drafts.shape[0]
+    chosen = pick(p, noise(seed, start, k + 1, p.shape[-1]))  # (k + 1,)
+    same = (chosen[:k] == drafts.astype(mx.int32)).astype(mx.int32)
+    n = mx.cumprod(same).sum().reshape(1).astype(mx.int32)
+    return mx.concatenate([n, mx.take(chosen, n)])
