@@ -47,7 +47,7 @@ CLI runs do.
 The same with every prompt of bench.py's PROMPTS in turn (`--fresh-prompts`), one per round: the
 bar above is one prompt's, whose draft's acceptance rises from ~0.65 over its first 64 tokens to
 ~0.83 over the last 64, and a fresh generation's verdict on other texts (nothing paid on most of
-them in 2026-12's runs, R(1) / R(0) ~2) is what a user's first runs get;
+them, R(1) / R(0) ~2) is what a user's first runs get;
 results/auto_fresh_prompts.*.
 
     python bench/auto.py --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
@@ -257,7 +257,7 @@ def fresh_report(runs: list[dict]) -> None:
                       "best_fixed": best,
                       "vs_plain": {c: v / speed["plain"] for c, v in speed.items()},
                       "vs_best_fixed": {c: v / fixed[best] for c, v in speed.items()}})
-        if all("ttft_ms" in r for rs in mine.values() for r in rs):  # (runs before 2026-12-03
+        if all("ttft_ms" in r for rs in mine.values() for r in rs):  # (older runs
             # have no time to first token): medians, each run's over its own plain's too, and
             # tokens / seconds from the call to the last token (prefill in) over plain's
             cells[-1]["ttft_ms"] = {c: statistics.median(r["ttft_ms"] for r in rs)

@@ -27,7 +27,7 @@ from tinydraft_mlx import Options, ParameterError, generate, load_models, make_o
     ("logit_bias", {-1: 1.0}, "an integer in [0, 99]"),
     ("logits_processors", [1], "a list of callables"),
     ("max_kv_size", 2, "an integer >= 5"),
-    ("chat_template", 3, "a Jinja template string"),
+    ("chat_template", 3, "a non-empty Jinja template string"),
     ("logprobs", 21, "an integer in [0, 20]"),
 ])
 def test_each_bad_field_is_refused_naming_it(field, value, allowed):

@@ -3,9 +3,9 @@ exact two-step distribution, with a seed (the Gumbel-max coupling of engine/seed
 without one (min(1, p/q) rejection sampling).
 
 The oracle enumerates P(a, b) = p1(a) p2(b | a), each factor warped by the independent NumPy warp
-(tests/reference.py) from transformers fp32 logits. Our samples come from N seeds (or N unseeded runs) of
-`generate(k=2)`, whose first round drafts two tokens, so both the accept path and the residual
-resampling path shape the pair. The same for k="auto" (a plain round, then k = 1), for
+(tests/reference.py) from transformers fp32 logits. Our samples come from N seeds (or N unseeded
+runs) of `generate(k=2)`, whose first round drafts two tokens, so both the accept path and the
+residual resampling path shape the pair. The same for k="auto" (a plain round, then k = 1), for
 prompt-lookup drafts (point-mass proposals) and a hybrid's lookup round, for a draft whose
 vocabulary is wider than the target's (its mass beyond the target's width is always rejected),
 and with a bounded cache (`max_kv_size` below the prompt's length: the exact joint then comes

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from .api import stream_generate
 from .backend import active_blas, device_name
-from .engine.distributed import DesyncError, ranks_of
+from .engine.distributed import DesyncError, GroupError, ranks_of
 from .engine.forward import PREFILL_STEP
 from .engine.policy import DEFAULT_K
 from .engine.pruning import VocabError
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                                 prompt_progress_callback=_ProgressBar())
     except ParameterError as err:
         _fail(parser, flag_message(err))
-    except (ModelLoadError, PromptCacheError, VocabError, UsageError) as err:
+    except (ModelLoadError, PromptCacheError, VocabError, GroupError, UsageError) as err:
         _fail(parser, str(err))
     ranks = ranks_of(target)
     quiet = ranks is not None and ranks.rank != 0  # only rank 0 prints

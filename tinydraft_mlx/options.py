@@ -128,8 +128,9 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
     if values["max_kv_size"] is not None:
         # the kept sink positions and one more at least (a round's length: `api.prepare`)
         check_int("max_kv_size", values["max_kv_size"], KEEP + 1)
-    if values["chat_template"] is not None and not isinstance(values["chat_template"], str):
-        raise ParameterError("chat_template", "a Jinja template string", values["chat_template"])
+    template = values["chat_template"]
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise ParameterError("chat_template", "a non-empty Jinja template string", template)
     if values["logprobs"] is not None:
         check_int("logprobs", values["logprobs"], 0, MAX_TOP_LOGPROBS)
     return Options(**values)

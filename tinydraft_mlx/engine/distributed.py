@@ -29,6 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+class GroupError(ValueError):
+    """This process cannot join a ranks' group as asked (a setup problem the user fixes)."""
+
+
 class DesyncError(RuntimeError):
     """The ranks generated different tokens: their per-round decisions diverged."""
 
@@ -91,18 +95,18 @@ def ranks_of(model: nn.Module) -> Ranks | None:
 
 
 def join() -> Ranks:
-    """Join the group `mlx.launch` started (ValueError when this process was not launched as one
+    """Join the group `mlx.launch` started (GroupError when this process was not launched as one
     of several ranks, or when MLX could not start the group, e.g. a port in use)."""
     if not mx.distributed.is_available():
-        raise ValueError("--distributed: this MLX build has no distributed backend")
+        raise GroupError("--distributed: this MLX build has no distributed backend")
     try:
         group = mx.distributed.init()
     except RuntimeError as err:  # e.g. the ring's "Couldn't bind socket (error: 98)"
-        raise ValueError(f"--distributed: MLX could not join the ranks' group ({err}); where a "
+        raise GroupError(f"--distributed: MLX could not join the ranks' group ({err}); where a "
                          "port mlx.launch assigned is in use, give it others with "
                          "mlx.launch --starting-port PORT") from err
     if group.size() < 2:
-        raise ValueError("--distributed: this process is not one of several ranks; start it "
+        raise GroupError("--distributed: this process is not one of several ranks; start it "
                          "with mlx.launch (e.g. mlx.launch --backend ring --hosts 127.0.0.1 -n 2 "
                          "python -m tinydraft_mlx.generate --distributed ...)")
     return Ranks(group)
