@@ -28,7 +28,7 @@ from oracle_draft import OracleDraft
 
 from bench import PROMPTS, ours
 from tinydraft_mlx import active_blas, load_models
-from tinydraft_mlx.backend import default_dtype
+from tinydraft_mlx.engine.backend import default_dtype
 
 EDITING = [
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"

@@ -27,10 +27,10 @@ from mlx_lm.sample_utils import make_sampler
 from oracle_draft import OracleDraft
 
 from tinydraft_mlx import active_blas, load_models, stream_generate
-from tinydraft_mlx.backend import generation_stream
-from tinydraft_mlx.check import forward_ms, leviathan
 from tinydraft_mlx.engine import skinny
+from tinydraft_mlx.engine.backend import generation_stream
 from tinydraft_mlx.engine.forward import COMPILE_ENV
+from tinydraft_mlx.programs.check import forward_ms, leviathan
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",

@@ -26,7 +26,7 @@ from demo_quality import held_out_prompts
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.engine.cache import make_cache
 from tinydraft_mlx.engine.pruning import PrunedDraft, prune_draft
-from tinydraft_mlx.loading import load_model
+from tinydraft_mlx.generation.loading import load_model
 
 SHAPES = Path.home() / ".cache" / "tinydraft-mlx" / "shapes"
 

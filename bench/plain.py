@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step
 
 from bench import decode_rate
 from tinydraft_mlx import load_models, stream_generate
-from tinydraft_mlx.backend import generation_stream
+from tinydraft_mlx.engine.backend import generation_stream
 from tinydraft_mlx.engine.speculative import decode
 
 

@@ -41,8 +41,8 @@ import httpx
 import mlx.core as mx
 from common import machine, pyplot, save
 
-from tinydraft_mlx.backend import mkl_candidates
-from tinydraft_mlx.loading import DEMO_DIR, config_overrides
+from tinydraft_mlx.engine.backend import mkl_candidates
+from tinydraft_mlx.generation.loading import DEMO_DIR, config_overrides
 
 PROMPTS = ["def parse_args(", "class Config:", "import os\nimport sys\n", "for i in range(",
            "def main():\n", "if __name__ == ", "with open(", "    return "]

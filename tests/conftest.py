@@ -160,6 +160,6 @@ def demo():
 @pytest.fixture(scope="session")
 def demo_oracle():
     from tests.oracle import Oracle
-    from tinydraft_mlx.loading import DEMO_DIR
+    from tinydraft_mlx.generation.loading import DEMO_DIR
 
     return Oracle(DEMO_DIR / "target")

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from tests.reference import check_first_two_tokens, warp_np
 from tinydraft_mlx import GenerationResponse, PromptCache, generate, load_models, stream_generate
 from tinydraft_mlx.engine.cache import cache_length
-from tinydraft_mlx.text import StopStrings
+from tinydraft_mlx.generation.text import StopStrings
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"
 CHAT_TEMPLATE = (
@@ -180,7 +180,7 @@ def test_stop_string_across_tokens_and_rounds(load, draft_name):
     accepted in one round): the text ends before it, finish_reason is "stop", the emitted tokens
     end with the one completing it, and the caches hold exactly prompt + the emitted tokens.
     On the demo pair (real text)."""
-    from tinydraft_mlx.loading import DEMO_DIR
+    from tinydraft_mlx.generation.loading import DEMO_DIR
 
     target, draft, tok = load(str(DEMO_DIR / "target"), str(DEMO_DIR / draft_name))
     ids = tok.encode("class Stack:\n    def push(self, item):")
@@ -251,9 +251,10 @@ def test_k_defaults_to_auto_in_every_entry_point():
     and batch decoder, the CLI's and the server's flags, and a server request's defaults."""
     import inspect
 
-    from tinydraft_mlx import cli, server
+    from tinydraft_mlx import server
     from tinydraft_mlx.engine.rounds import BatchDecoder
     from tinydraft_mlx.engine.speculative import decode
+    from tinydraft_mlx.programs import cli
     from tinydraft_mlx.serving.service import Defaults
 
     for function in (stream_generate, decode, BatchDecoder.insert):

@@ -23,7 +23,7 @@ from tinydraft_mlx.engine import cache as cache_module
 from tinydraft_mlx.engine.cache import RollbackRotatingKVCache, make_cache
 from tinydraft_mlx.engine.forward import SUPPORTED, traces
 from tinydraft_mlx.engine.rounds import BatchDecoder
-from tinydraft_mlx.loading import ModelLoadError, load_model
+from tinydraft_mlx.generation.loading import ModelLoadError, load_model
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 

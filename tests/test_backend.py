@@ -30,7 +30,7 @@ pytestmark = pytest.mark.cpu_only
 
 
 def _mkl_path() -> str:
-    from tinydraft_mlx.backend import mkl_candidates
+    from tinydraft_mlx.engine.backend import mkl_candidates
 
     return mkl_candidates()[0]
 

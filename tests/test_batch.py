@@ -247,7 +247,7 @@ def test_prompt_caches_in_and_out_of_a_batch(pair, refs):
 def test_a_pruned_draft_in_a_batch(pair, refs):
     from tests.test_pruning import TEXT
     from tinydraft_mlx.engine.pruning import prune_draft
-    from tinydraft_mlx.vocab import count_tokens, save_counts
+    from tinydraft_mlx.programs.vocab import count_tokens, save_counts
 
     target, draft, tok = pair
     import tempfile

@@ -10,8 +10,8 @@ import pytest
 
 import tinydraft_mlx.engine.acceptance as acceptance
 import tinydraft_mlx.engine.rounds as rounds
-from tinydraft_mlx.check import P_FAIL, main
 from tinydraft_mlx.engine.rejection import _leading_true, _pad_vocab
+from tinydraft_mlx.programs.check import P_FAIL, main
 
 KEYS = ["greedy_identical", "sampling_p_value", "costs", "acceptance", "recommended_k",
         "predicted_speedup", "measured_speedup"]
@@ -134,7 +134,7 @@ def sampling_passes(monkeypatch):
     for tests of another part of the report (test_demo_pair_quick_is_exact and
     test_a_correction_from_p_fails_the_sampling_check run it), where a failure can then come
     from that part only."""
-    import tinydraft_mlx.check as check
+    import tinydraft_mlx.programs.check as check
 
     passed = {"p_value": 0.5, "statistic": 1.0, "df": 1, "samples": 0, "prompt": 0,
               "first_acceptance_probability": 0.5, "first_token_paths": {}, "seconds": 0.0,
@@ -173,7 +173,7 @@ def test_a_cost_curve_that_does_not_rise_is_flagged_not_predicted_from(monkeypat
                                                                        sampling_passes):
     """Under load t_v(4) = 113 ms after t_v(3) = 2.5 ms was measured, and 9.78x predicted where
     1.18x was real: such a curve is flagged and no speedup is predicted from it."""
-    import tinydraft_mlx.check as check
+    import tinydraft_mlx.programs.check as check
 
     curve = {1: 2.0, 2: 2.2, 3: 2.5, 4: 113.0, 5: 3.0, 6: 3.2, 7: 3.4, 8: 3.6, 9: 3.8}
     monkeypatch.setattr(check, "target_costs", lambda *a: {"t_1": 2.0, "t_v": curve})
@@ -187,7 +187,7 @@ def test_a_cost_curve_that_does_not_rise_is_flagged_not_predicted_from(monkeypat
 
 
 def test_rising():
-    from tinydraft_mlx.check import rising
+    from tinydraft_mlx.programs.check import rising
 
     assert rising({1: 2.0, 2: 2.1, 3: 2.0, 4: 2.6})  # noise below 20% is a rising curve
     assert not rising({1: 2.0, 2: 2.2, 3: 2.5, 4: 113.0, 5: 3.0})
@@ -200,7 +200,7 @@ def test_a_quantized_target_gets_its_compute_dtypes_tolerance(demo):
     import mlx.nn as nn
 
     from tinydraft_mlx import load_models
-    from tinydraft_mlx.check import NEAR_TIE, compute_dtype, is_quantized
+    from tinydraft_mlx.programs.check import NEAR_TIE, compute_dtype, is_quantized
 
     target, _, _ = load_models(None, "none", dtype="float16")
     nn.quantize(target, group_size=64, bits=4)
@@ -212,7 +212,7 @@ def test_a_quantized_target_gets_its_compute_dtypes_tolerance(demo):
 
 def test_a_failure_while_checking_exits_3_not_2(monkeypatch, capsys):
     """2 means bad arguments; the check failing to run is another thing (it said 2 for both)."""
-    import tinydraft_mlx.check as check
+    import tinydraft_mlx.programs.check as check
 
     def broken(*args, **kwargs):
         raise ValueError("[matmul] shapes (1,3) and (4,5) cannot be multiplied")
@@ -229,8 +229,8 @@ def test_the_checks_own_forwards_run_on_the_generation_stream(demo):
     generation stream."""
     import mlx.nn as nn
 
-    from tinydraft_mlx.check import _first_distributions
     from tinydraft_mlx.engine.sampling import SamplingParams
+    from tinydraft_mlx.programs.check import _first_distributions
 
     target, draft, tok = demo
     outside = str(mx.default_stream(mx.default_device()))

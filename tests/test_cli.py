@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.scripted import scripted
-from tinydraft_mlx.cli import main
+from tinydraft_mlx.programs.cli import main
 
 
 def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
@@ -101,7 +101,7 @@ def test_bad_arguments_exit_2_with_one_line(checkpoints, capsys, args, expected)
 
 def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
     """An interrupt mid-stream ends with status 130, the text so far and the stats line."""
-    import tinydraft_mlx.cli as cli
+    import tinydraft_mlx.programs.cli as cli
 
     real = cli._stream_text
 
@@ -171,7 +171,7 @@ def test_make_demo_passes_the_prompt_as_typed(tmp_path):
     script that prints its arguments, and the install step is taken as done (`-o`)."""
     import shutil
 
-    from tinydraft_mlx.loading import DEMO_DIR
+    from tinydraft_mlx.generation.loading import DEMO_DIR
 
     make = shutil.which("make")
     assert make is not None, "make runs the project's two commands"
@@ -205,7 +205,7 @@ def test_a_broken_group_mid_generation_is_one_line(checkpoints, capsys, monkeypa
     """A collective failing mid-generation (another rank exited: MLX raises RuntimeError
     "[ring] connection to a peer was lost") ends a distributed run with status 1 and one line
     that says what broke; outside a distributed run a RuntimeError is a bug and is not hidden."""
-    import tinydraft_mlx.cli as cli
+    import tinydraft_mlx.programs.cli as cli
 
     class RankZero:
         rank, size = 0, 2
@@ -231,7 +231,7 @@ def test_a_broken_group_mid_generation_is_one_line(checkpoints, capsys, monkeypa
 def test_an_error_from_inside_is_not_a_usage_error(checkpoints, monkeypatch):
     """Every ValueError used to be printed as a usage error (status 2, one line), which hid bugs
     (and MLX's own ValueErrors) behind "error: ..."; now only bad input is, a bug raises."""
-    from tinydraft_mlx import cli
+    from tinydraft_mlx.programs import cli
 
     def broken(*args, **kwargs):
         raise ValueError("[matmul] shapes (1,3,64) and (32,64) cannot be multiplied")

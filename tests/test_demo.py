@@ -7,7 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from tinydraft_mlx import generate
-from tinydraft_mlx.cli import main
+from tinydraft_mlx.programs.cli import main
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
@@ -26,7 +26,7 @@ def test_loads_with_no_arguments():
     """The default load: the bundled pair, in the device's default dtype: float32 on the CPU, on
     a GPU the checkpoint's own (the demo weights are stored in float16)."""
     from tinydraft_mlx import load_models
-    from tinydraft_mlx.loading import DEMO_DIR
+    from tinydraft_mlx.generation.loading import DEMO_DIR
 
     stored = {w.dtype for w in mx.load(str(DEMO_DIR / "target" / "model.safetensors")).values()}
     assert stored == {mx.float16}
@@ -111,7 +111,7 @@ def test_mlx_lms_own_loader_reads_the_demo_pair_as_ours_does(demo, name):
 
     from mlx_lm import load
 
-    from tinydraft_mlx.loading import DEMO_DIR
+    from tinydraft_mlx.generation.loading import DEMO_DIR
 
     config = json.loads((DEMO_DIR / name / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
@@ -130,7 +130,7 @@ CHATML_TURN = "<|im_start|>user\nWrite a loop.<|im_end|>\n<|im_start|>assistant\
 def test_the_demo_tokenizer_chats_offline_in_chatml(demo):
     """The bundled pair ships a ChatML template (Qwen2.5's format): chat messages work as
     written in the README, and the prompt is the ChatML text the template should give."""
-    from tinydraft_mlx.text import chat_text
+    from tinydraft_mlx.generation.text import chat_text
 
     target, draft, tok = demo
     messages = [{"role": "user", "content": "Write a loop."}]
@@ -143,7 +143,7 @@ def test_chat_template_argument_and_flag(pair, checkpoints, capsys, tmp_path):
     """A tokenizer without a template (the fixture's): `chat_template=` in the API and
     `--chat-template` (text or a file) in the CLI apply one; misuse is a ParameterError."""
     from tinydraft_mlx import ParameterError
-    from tinydraft_mlx.cli import main
+    from tinydraft_mlx.programs.cli import main
 
     target, draft, tok = pair
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>"

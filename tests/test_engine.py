@@ -226,7 +226,7 @@ def test_the_api_function_is_not_shadowed_by_a_module():
     import pkgutil
 
     import tinydraft_mlx
-    from tinydraft_mlx.api import generate as api_generate
+    from tinydraft_mlx.generation.api import generate as api_generate
 
     for info in pkgutil.iter_modules(tinydraft_mlx.__path__):
         if info.name != "generate":  # the `python -m tinydraft_mlx.generate` shim, run only
@@ -358,7 +358,7 @@ def test_generation_runs_on_mlx_lms_own_generation_stream(pair):
     process that also runs `generate_step`) meant two threads calling the BLAS on the CPU."""
     from mlx_lm.generate import generation_stream as mlx_lm_stream
 
-    from tinydraft_mlx.backend import generation_stream
+    from tinydraft_mlx.engine.backend import generation_stream
 
     assert generation_stream() is mlx_lm_stream
     assert generation_stream().device == mx.default_device()

@@ -198,7 +198,7 @@ def test_a_weight_changed_after_tracing_is_used_by_the_compiled_step(load, how):
     """Generate (tracing the step), change a weight, generate again: the compiled decode equals
     the eager decode of the changed model, and differs from the unchanged model's output (so
     the change matters). A step that closes over the weights would replay the old ones."""
-    from tinydraft_mlx.loading import DEMO_DIR
+    from tinydraft_mlx.generation.loading import DEMO_DIR
 
     target, _, tok = load(str(DEMO_DIR / "target"), "none")
     ids = tok.encode(PROMPT)

@@ -10,8 +10,8 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from tinydraft_mlx import ModelLoadError, load_models
-from tinydraft_mlx.backend import resolve_dtype
-from tinydraft_mlx.loading import default_draft, load_model
+from tinydraft_mlx.engine.backend import resolve_dtype
+from tinydraft_mlx.generation.loading import default_draft, load_model
 
 PROMPT_IDS = [269, 70, 305, 83, 29, 342, 322, 12, 5, 77]
 
@@ -116,7 +116,7 @@ def test_uncached_hub_id_offline_is_one_sentence(monkeypatch):
 
 
 def test_first_sentence_is_never_cut_mid_word():
-    from tinydraft_mlx.loading import _first_sentence
+    from tinydraft_mlx.generation.loading import _first_sentence
 
     assert _first_sentence("Repo not found.  Check the id.\nMore") == "Repo not found."
     long = "word " * 100
@@ -169,7 +169,7 @@ def test_the_demo_targets_directory_gets_the_demo_draft(tmp_path, monkeypatch):
     draft, as loading it by default does; another directory gets none."""
     import os
 
-    from tinydraft_mlx.loading import DEMO_DIR, default_draft
+    from tinydraft_mlx.generation.loading import DEMO_DIR, default_draft
 
     assert default_draft(None) == str(DEMO_DIR / "draft")
     assert default_draft(str(DEMO_DIR / "target")) == str(DEMO_DIR / "draft")

@@ -4,8 +4,8 @@ caches that wrapped, files, wrong models, and failures that leave the cache cons
 import pytest
 
 from tinydraft_mlx import PromptCache, PromptCacheError, generate, stream_generate
-from tinydraft_mlx.cli import main
 from tinydraft_mlx.engine.cache import cache_length
+from tinydraft_mlx.programs.cli import main
 
 PROMPT = "def parse_args(self, args=None, namespace=None):"
 MORE = "\n    parser = argparse.ArgumentParser()\n"

@@ -22,7 +22,7 @@ from tinydraft_mlx.engine.pruning import (
     prune_draft,
     save_counts,
 )
-from tinydraft_mlx.vocab import main as vocab_main
+from tinydraft_mlx.programs.vocab import main as vocab_main
 
 TEXT = ["def parse_args(self, args=None, namespace=None):\n    return args\n",
         "import os\nimport sys\n\nclass Encoder(object):\n    pass\n"]
@@ -100,7 +100,7 @@ def test_pruned_logits_are_the_drafts_on_kept_ids(demo, tmp_path, quantized):
     if quantized:
         from mlx_lm import convert
 
-        from tinydraft_mlx.loading import DEMO_DIR
+        from tinydraft_mlx.generation.loading import DEMO_DIR
 
         convert(str(DEMO_DIR / "draft"), mlx_path=str(tmp_path / "q"), quantize=True, q_bits=4,
                 q_group_size=64)
@@ -187,7 +187,7 @@ def test_first_two_sampled_tokens_follow_the_oracle_with_a_pruned_draft(pruned_p
 
 
 def test_load_models_prunes_and_the_cli_flag(demo, capsys):
-    from tinydraft_mlx.cli import main
+    from tinydraft_mlx.programs.cli import main
 
     target, draft, tok = load_models(draft_vocab=256)
     assert isinstance(draft, PrunedDraft) and len(draft.kept) == 256

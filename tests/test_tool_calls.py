@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from tinydraft_mlx.tool_calls import ToolCall, ToolCallSplitter, ToolFormat, tool_format
+from tinydraft_mlx.serving.tool_calls import ToolCall, ToolCallSplitter, ToolFormat, tool_format
 
 QWEN = ToolFormat("json_tools", "<tool_call>", "</tool_call>",
                   importlib.import_module("mlx_lm.tool_parsers.json_tools").parse_tool_call)

@@ -1,21 +1,21 @@
 """tinydraft-mlx: exact speculative decoding on Apple MLX."""
 
-from .backend import active_blas, preload_blas
+from .engine.backend import active_blas, preload_blas
 
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
-from .api import generate, stream_generate
-from .batching import batch_generate
 from .engine.drafters import Hybrid
 from .engine.lookup import PromptLookup
 from .engine.policy import DraftLengthPolicy
 from .engine.rounds import BatchDecoder, Finished, Token
 from .engine.sampling import ParameterError, SamplingParams, warp
 from .engine.stats import GenerationStats
-from .loading import ModelLoadError, load_models
-from .options import Options, make_options
-from .prompt_cache import PromptCache, PromptCacheError
-from .text import GenerationResponse
+from .generation.api import generate, stream_generate
+from .generation.batching import batch_generate
+from .generation.loading import ModelLoadError, load_models
+from .generation.options import Options, make_options
+from .generation.prompt_cache import PromptCache, PromptCacheError
+from .generation.text import GenerationResponse
 
 __all__ = [
     "active_blas",

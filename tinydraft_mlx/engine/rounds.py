@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..backend import generation_stream
 from .acceptance import verify
+from .backend import generation_stream
 from .batch_cache import BatchCache, SingleCache
 from .cache import KEEP, Cache, cache_length, make_cache, rollback, standard_layers
 from .distributed import ranks_of

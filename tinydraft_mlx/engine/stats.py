@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend import active_blas
+from .backend import active_blas
 
 
 @dataclass

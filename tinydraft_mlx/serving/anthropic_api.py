@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
-from ..tool_calls import ToolCall
 from . import anthropic_schema as an
 from . import openai_schema as oa
 from .anthropic_schema import CountTokensRequest, MessagesRequest
@@ -37,6 +36,7 @@ from .service import (
     check_unicode,
     failure,
 )
+from .tool_calls import ToolCall
 
 PATHS = ("/v1/messages",)  # requests under these get Anthropic's error body
 FIELDS = {"stop": "stop_sequences", "tools": "tools", "tool_choice": "tool_choice"}

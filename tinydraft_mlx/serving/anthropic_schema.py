@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..tool_calls import ToolCall
+from .tool_calls import ToolCall
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 

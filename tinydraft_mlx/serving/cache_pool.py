@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from ..prompt_cache import PromptCache
+from ..generation.prompt_cache import PromptCache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -18,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
-from ..tool_calls import ToolCall
 from . import openai_schema as oa
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from .service import (
@@ -36,6 +35,7 @@ from .service import (
     check_unicode,
     failure,
 )
+from .tool_calls import ToolCall
 
 TOOL_CHOICES = ("auto", "none", "required")
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.stats import GenerationStats
-from ..tool_calls import ToolCall
+from .tool_calls import ToolCall
 from .worker import Piece
 
 # -- requests ------------------------------------------------------------------------------------

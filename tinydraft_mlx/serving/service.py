@@ -28,10 +28,10 @@ from ..engine.forward import vocab_width
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
 from ..engine.policy import DEFAULT_K
 from ..engine.sampling import ParameterError
-from ..options import Options, check_k, make_options
-from ..text import chat_text, prompt_ids
-from ..tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
+from ..generation.options import Options, check_k, make_options
+from ..generation.text import chat_text, prompt_ids
 from .metrics import Metrics
+from .tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
 DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, both, none

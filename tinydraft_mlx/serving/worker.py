@@ -32,14 +32,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..api import prepare
-from ..batching import drain, record_caches
 from ..engine.forward import PREFILL_STEP
 from ..engine.rounds import BatchDecoder, Token
 from ..engine.stats import GenerationStats
-from ..options import Options
-from ..prompt_cache import MARGIN, PromptCache
-from ..text import GenerationResponse, responses
+from ..generation.api import prepare
+from ..generation.batching import drain, record_caches
+from ..generation.options import Options
+from ..generation.prompt_cache import MARGIN, PromptCache
+from ..generation.text import GenerationResponse, responses
 from .cache_pool import PromptCachePool
 
 log = logging.getLogger("tinydraft_mlx.worker")

@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .engine.rounds import Token
-from .engine.sampling import ParameterError
-from .engine.stats import GenerationStats
+from ..engine.rounds import Token
+from ..engine.sampling import ParameterError
+from ..engine.stats import GenerationStats
 
 Messages = Sequence[dict[str, Any]]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from .engine.cache import KEEP
-from .engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
-from .engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
+from ..engine.cache import KEEP
+from ..engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
+from ..engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
 from .text import check_stop
 
 MAX_DRAFT_TOKENS = 64
@@ -160,3 +160,26 @@ def _logit_bias(bias: object, vocab_size: int | None) -> tuple[tuple[int, float]
         _check_range("logit_bias value", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         out.append((token, float(value)))
     return tuple(sorted(out))
+
+
+# option name -> the command-line flag that sets it (the CLI's and the server's), so that an
+# error names what the user typed
+FLAGS = {
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "k": "--num-draft-tokens",
+    "max_tokens": "--max-tokens",
+    "prompt": "--prompt",
+    "max_kv_size": "--max-kv-size",
+    "stop": "--stop",
+    "draft_vocab": "--draft-vocab",
+    "draft_vocab_counts": "--draft-vocab-counts",
+}
+
+
+def flag_message(err: ParameterError) -> str:
+    """The API's range error, naming the flag the user typed (also the server's flags)."""
+    return f"{FLAGS.get(err.name, err.name)} must be {err.allowed} (got {err.value!r})"

@@ -24,8 +24,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from .engine.cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, make_cache, rollback
-from .engine.drafters import draft_model
+from ..engine.cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, make_cache, rollback
+from ..engine.drafters import draft_model
 
 FORMAT = "tinydraft-mlx prompt cache 1"
 MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1

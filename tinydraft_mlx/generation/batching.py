@@ -16,13 +16,13 @@ from typing import Any
 
 import mlx.nn as nn
 
+from ..engine.cache import cache_length
+from ..engine.forward import vocab_width
+from ..engine.lookup import PromptLookup
+from ..engine.rounds import BatchDecoder, Token
+from ..engine.sampling import ParameterError
+from ..engine.stats import GenerationStats
 from .api import Prepared, options_from, prepare
-from .engine.cache import cache_length
-from .engine.forward import vocab_width
-from .engine.lookup import PromptLookup
-from .engine.rounds import BatchDecoder, Token
-from .engine.sampling import ParameterError
-from .engine.stats import GenerationStats
 from .options import FIELDS
 from .prompt_cache import MARGIN, PromptCache
 from .text import Messages, responses

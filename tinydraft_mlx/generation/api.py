@@ -14,15 +14,15 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .engine.cache import KEEP, Cache, cache_length, make_cache
-from .engine.drafters import Source, resolve_drafter
-from .engine.forward import vocab_width
-from .engine.lookup import PromptLookup
-from .engine.policy import DEFAULT_K
-from .engine.rounds import Progress, Token, max_draft_length
-from .engine.sampling import ParameterError, Processor, SamplingParams, check_int
-from .engine.speculative import decode
-from .engine.stats import GenerationStats
+from ..engine.cache import KEEP, Cache, cache_length, make_cache
+from ..engine.drafters import Source, resolve_drafter
+from ..engine.forward import vocab_width
+from ..engine.lookup import PromptLookup
+from ..engine.policy import DEFAULT_K
+from ..engine.rounds import Progress, Token, max_draft_length
+from ..engine.sampling import ParameterError, Processor, SamplingParams, check_int
+from ..engine.speculative import decode
+from ..engine.stats import GenerationStats
 from .options import Options, check_vocab, make_options
 from .prompt_cache import PromptCache
 from .text import GenerationResponse, Messages, prompt_ids, responses

@@ -16,33 +16,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from .api import stream_generate
-from .backend import active_blas, device_name
-from .engine.distributed import DesyncError, GroupError, ranks_of
-from .engine.forward import PREFILL_STEP
-from .engine.policy import DEFAULT_K
-from .engine.pruning import VocabError
-from .engine.sampling import ParameterError
-from .loading import NO_DRAFT, ModelLoadError, default_draft, load_models, no_draft_notice
-from .options import MAX_DRAFT_TOKENS, Options, make_options
-from .prompt_cache import PromptCache, PromptCacheError
-from .text import chat_ids, read_template
-
-# API parameter name -> the flag that sets it, so errors name what the user typed
-FLAGS = {
-    "temperature": "--temp",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "min_p": "--min-p",
-    "seed": "--seed",
-    "k": "--num-draft-tokens",
-    "max_tokens": "--max-tokens",
-    "prompt": "--prompt",
-    "max_kv_size": "--max-kv-size",
-    "stop": "--stop",
-    "draft_vocab": "--draft-vocab",
-    "draft_vocab_counts": "--draft-vocab-counts",
-}
+from ..engine.backend import active_blas, device_name
+from ..engine.distributed import DesyncError, GroupError, ranks_of
+from ..engine.forward import PREFILL_STEP
+from ..engine.policy import DEFAULT_K
+from ..engine.pruning import VocabError
+from ..engine.sampling import ParameterError
+from ..generation.api import stream_generate
+from ..generation.loading import (
+    NO_DRAFT,
+    ModelLoadError,
+    default_draft,
+    load_models,
+    no_draft_notice,
+)
+from ..generation.options import MAX_DRAFT_TOKENS, Options, flag_message, make_options
+from ..generation.prompt_cache import PromptCache, PromptCacheError
+from ..generation.text import chat_ids, read_template
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,11 +86,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "ranks, the draft on each; only rank 0 prints")
     p.add_argument("--verbose", action="store_true", help="print the models and settings used")
     return p
-
-
-def flag_message(err: ParameterError) -> str:
-    """The API's range error, naming the flag the user typed (also the server's flags)."""
-    return f"{FLAGS.get(err.name, err.name)} must be {err.allowed} (got {err.value!r})"
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:

@@ -17,15 +17,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
-from .backend import resolve_dtype, warn_if_slow_blas
-from .engine import skinny
-from .engine.cache import make_cache
-from .engine.distributed import join
-from .engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
-from .engine.pruning import prune_draft
-from .engine.sampling import ParameterError
+from ..engine import skinny
+from ..engine.backend import resolve_dtype, warn_if_slow_blas
+from ..engine.cache import make_cache
+from ..engine.distributed import join
+from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from ..engine.pruning import prune_draft
+from ..engine.sampling import ParameterError
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 _ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
 # Each family's default draft: the smallest model of the family that shares its tokenizer, named
 # from the target's own name (publisher, variant and quantization kept), so "mlx-community/
