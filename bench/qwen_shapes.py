@@ -2,6 +2,7 @@
 where the real weights cannot be downloaded.
 
     python bench/qwen_shapes.py 0.5B 1.5B 3B    # writes ~/.cache/tinydraft-mlx/shapes/<size>/
+    python bench/qwen_shapes.py 250M 40M         # a small pair for bench/auto.py
 
 Weights are float32 N(0, 0.02), written one tensor at a time (a 3B model is 12 GB), with the
 bundled demo tokenizer so any two shapes form a valid target/draft pair. Outputs stay outside git.
@@ -28,6 +29,10 @@ SHAPES = {
     "1.5B": (1536, 28, 12, 2, 8960, 151936, True),
     "3B": (2048, 36, 16, 2, 11008, 151936, True),
     "7B": (3584, 28, 28, 4, 18944, 152064, False),
+    # not published: a 250M-parameter target (0.5B's layers, 8 of them) and a 40M draft, a
+    # Qwen2-shaped pair this CPU decodes fast enough for k="auto"'s benchmarks (bench/auto.py)
+    "250M": (896, 8, 14, 2, 4864, 151936, True),
+    "40M": (256, 2, 4, 2, 1024, 151936, True),
 }
 
 

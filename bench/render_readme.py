@@ -600,6 +600,28 @@ def sampled_bound(r: dict) -> list[str]:
     return lines
 
 
+def seeded(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    lines = [
+        f"**What a seed's coupling costs in acceptance** (`python bench/seeded.py`; demo pair, "
+        f"{s['dtype']}, {s['prompts']} prompts x {s['samples']} runs x {s['max_tokens']} tokens "
+        "per contender, top-p 0.8 and top-k 20 at T = 0.7; "
+        f"{m['device']}; [json](results/seeded.json), [plot](results/seeded.png)): draft tokens "
+        "accepted / drafted without a seed (min(1, p/q) rejection sampling) and with one "
+        "(Gumbel-max coupling: a seeded text is plain decoding's whatever drafts it)",
+        "",
+        "| T | k | unseeded acceptance | seeded acceptance | seeded / unseeded | tokens a round, "
+        "unseeded | seeded |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in r["cells"]:
+        a, b = c["rejection"], c["seeded"]
+        lines.append(f"| {c['temp']:g} | {c['k']} | {a['acceptance']:.3f} | {b['acceptance']:.3f} "
+                     f"| {c['ratio']:.2f} | {a['tokens_per_round']:.2f} | "
+                     f"{b['tokens_per_round']:.2f} |")
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -624,6 +646,7 @@ def main() -> None:
         ("auto_fresh_prompts", auto_fresh_policy),
         ("auto_warm_policy", auto_fresh_policy),
         ("sampled_bound", sampled_bound),
+        ("seeded", seeded),
         ("shapes_0.5B_1.5B", head_to_head("Qwen2.5 shapes 0.5B -> 1.5B, oracle draft")),
         ("shapes_0.5B_3B", head_to_head("Qwen2.5 shapes 0.5B -> 3B, oracle draft")),
         ("blas", blas),

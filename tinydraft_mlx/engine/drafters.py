@@ -425,8 +425,8 @@ class Drafting:
         """One batched chain of max(k) draft steps over every model row (rows drafting fewer, or
         none, feed what they have and are rolled back at commit): (model rows, steps) ids and
         each row's q (None when greedy). A seeded row proposes the Gumbel-max choice of its
-        (seed, position) noise (`seeded.py`), the noise its verify uses; unseeded rows sample,
-        each with its own key."""
+        (seed, position) noise (`seeded.py`), the noise its verify uses; unseeded rows draw
+        together, one draw per step."""
         rows = [r for _, r, _ in ordered]
         ks = [k for _, _, k in ordered]
         caches = self.caches
@@ -440,8 +440,9 @@ class Drafting:
         last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
         logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
         sampled = [j for j, (r, k) in enumerate(zip(rows, ks)) if k and not r.sampling.greedy]
-        keys = {j: mx.random.split(rows[j].draft_key, ks[j]) for j in sampled
-                if rows[j].sampling.seed is None}
+        unseeded = [j for j in sampled if rows[j].sampling.seed is None]
+        # unseeded rows draw together, one key per step (each row still its own uniform)
+        keys = mx.random.split(rows[unseeded[0]].draft_key, max(ks)) if unseeded else None
         histories = {j: mx.array(r.seq, dtype=mx.int32) for j, r in enumerate(rows)
                      if r.processors}
         qs: dict[int, list[mx.array]] = {j: [] for j in sampled}
@@ -467,7 +468,8 @@ class Drafting:
                                        and j not in histories).values():
             probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
             warped.update({j: probs[g] for g, j in enumerate(members)})
-        picks = []
+        picks: list[mx.array | None] = [None] * len(rows)
+        pooled: list[tuple[int, mx.array]] = []  # unseeded rows drawing at this step
         for j, row in enumerate(rows):
             row_logits = logits[j]
             if j in histories:
@@ -477,10 +479,16 @@ class Drafting:
                 q = warped[j] if j in warped else warp(row_logits, row.sampling)
                 qs[j].append(q)
                 seed = row.sampling.seed
-                picks.append(sample_rows(q[None], keys[j][i])[0] if seed is None else
-                             seeded.pick(q, seeded.noise(seed, len(row.seq) + i, 1,
-                                                         q.shape[-1])[0]))
+                if seed is None:
+                    pooled.append((j, q))
+                else:
+                    picks[j] = seeded.pick(q, seeded.noise(seed, len(row.seq) + i, 1,
+                                                           q.shape[-1])[0])
             else:
-                picks.append(mx.argmax(row_logits, axis=-1))
+                picks[j] = mx.argmax(row_logits, axis=-1)
+        if pooled:
+            drawn = sample_rows(mx.stack([q for _, q in pooled]), keys[i])
+            for n, (j, _) in enumerate(pooled):
+                picks[j] = drawn[n]
         return mx.stack(picks).astype(mx.int32)
 
