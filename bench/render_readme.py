@@ -397,8 +397,11 @@ def server(r: dict) -> list[str]:
     pair = "demo pair" if s["target"] is None else Path(s["target"]).name
     engines = [e for e in r["cells"][0] if e not in ("temperature", "clients")]
     base = "mlx_lm.server, no draft" if "mlx_lm.server, no draft" in engines else engines[-1]
+    command = "python bench/server.py" + ("" if s["name"] == "server" else
+                                          f" --clients {' '.join(map(str, s['clients']))} "
+                                          f"--name {s['name']}")
     lines = [
-        f"**Through HTTP** (`python bench/server.py`; {pair}, {s['dtype']} for all, k={s['k']}, "
+        f"**Through HTTP** (`{command}`; {pair}, {s['dtype']} for all, k={s['k']}, "
         f"{s['max_tokens']} tokens per request, {s['requests']} streaming requests per client, "
         f"{r['machine']['device']}, BLAS: {r['machine']['blas']}; "
         f"[json](results/{s['name']}.json), [plot](results/{s['name']}.png)). Throughput tok/s "
@@ -640,7 +643,7 @@ def main() -> None:
         ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
         ("demo_pair", best_k),
         ("auto", auto),
-        ("auto_shapes", auto),
+        ("auto_250M", auto),
         ("auto_fresh", auto_fresh),
         ("auto_fresh_policy", auto_fresh_policy),
         ("auto_fresh_prompts", auto_fresh_policy),
@@ -657,6 +660,7 @@ def main() -> None:
         ("draft_vocab", draft_vocab),
         ("distributed", distributed),
         ("server", server),
+        ("server_8", server),
         ("batch", batch),
         ("batch_shapes", batch_shapes),
         ("hybrid", hybrid),

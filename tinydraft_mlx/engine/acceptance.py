@@ -84,8 +84,7 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
         elif row.sampling.seed is not None:  # the target's Gumbel-max choice at each position
             p = (warped[j] if j in warped else warp(row_logits, row.sampling))[0, : k + 1]
             start = len(row.seq) + ahead
-            results[j] = (seeded.pick(p, seeded.noise(row.sampling.seed, start, 1, p.shape[-1]))
-                          if k == 0 else
+            results[j] = (seeded.choose(p, row.sampling.seed, start) if k == 0 else
                           seeded.coupled_accept(p, proposals.drafts(j), row.sampling.seed, start))
         elif k == 0 and j in warped and row.sampling.seed is None:
             plain_shared.append(j)

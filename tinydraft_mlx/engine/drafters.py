@@ -482,8 +482,7 @@ class Drafting:
                 if seed is None:
                     pooled.append((j, q))
                 else:
-                    picks[j] = seeded.pick(q, seeded.noise(seed, len(row.seq) + i, 1,
-                                                           q.shape[-1])[0])
+                    picks[j] = seeded.choose(q[None], seed, len(row.seq) + i)[0]
             else:
                 picks[j] = mx.argmax(row_logits, axis=-1)
         if pooled:

@@ -39,7 +39,6 @@ def _mix(x: mx.array) -> mx.array:
     return x ^ (x >> _u32(16))
 
 
-@mx.compile
 def _gumbel(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array,
             tokens: mx.array) -> mx.array:
     base = _mix(_mix(_mix(seed_hi) ^ seed_lo) ^ positions)  # (n, 1)
@@ -48,28 +47,59 @@ def _gumbel(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array,
     return -mx.log(-mx.log(u))
 
 
+def _scores(probs: mx.array, gumbel: mx.array) -> mx.array:
+    return mx.where(probs > 0, mx.log(mx.maximum(probs, 1e-38)) + gumbel, -mx.inf)
+
+
+@mx.compile
+def _picked(probs: mx.array, seed_lo: mx.array, seed_hi: mx.array, positions: mx.array,
+            tokens: mx.array) -> mx.array:
+    return mx.argmax(_scores(probs, _gumbel(seed_lo, seed_hi, positions, tokens)),
+                     axis=-1).astype(mx.int32)
+
+
+@mx.compile
+def _coupled(p: mx.array, drafts: mx.array, seed_lo: mx.array, seed_hi: mx.array,
+             positions: mx.array, tokens: mx.array) -> mx.array:
+    chosen = _picked(p, seed_lo, seed_hi, positions, tokens)  # (k + 1,)
+    same = (chosen[:-1] == drafts).astype(mx.int32)
+    n = mx.cumprod(same).sum().reshape(1).astype(mx.int32)
+    return mx.concatenate([n, mx.take(chosen, n)])
+
+
+_TOKENS: dict[int, mx.array] = {}  # width -> token ids 0..width-1 (uint32)
+
+
+def _inputs(seed: int, start: int, n: int, width: int) -> tuple[mx.array, ...]:
+    tokens = _TOKENS.get(width)
+    if tokens is None:
+        tokens = _TOKENS[width] = mx.arange(width, dtype=mx.uint32)[None]
+    positions = mx.arange(start, start + n, dtype=mx.uint32)[:, None]
+    return _u32(seed), _u32(seed >> 32), positions, tokens
+
+
 def noise(seed: int, start: int, n: int, width: int) -> mx.array:
     """(n, width) float32 standard Gumbel variates for positions start..start+n-1 and token ids
     0..width-1 of the sequence seeded with `seed` (0 <= seed < 2^63)."""
-    positions = mx.arange(start, start + n, dtype=mx.uint32)[:, None]
-    tokens = mx.arange(width, dtype=mx.uint32)[None]
-    return _gumbel(_u32(seed), _u32(seed >> 32), positions, tokens)
+    return _gumbel(*_inputs(seed, start, n, width))
 
 
 def pick(probs: mx.array, gumbel: mx.array) -> mx.array:
     """argmax(log probs + gumbel) over the last axis (int32): a zero-probability token is never
     picked. `gumbel` may be wider than `probs` (its first columns are used)."""
-    width = probs.shape[-1]
-    scores = mx.where(probs > 0, mx.log(mx.maximum(probs, 1e-38)) + gumbel[..., :width], -mx.inf)
-    return mx.argmax(scores, axis=-1).astype(mx.int32)
+    return mx.argmax(_scores(probs, gumbel[..., : probs.shape[-1]]), axis=-1).astype(mx.int32)
+
+
+def choose(probs: mx.array, seed: int, start: int) -> mx.array:
+    """The seeded choices at positions start..start+n-1 from `probs` (n, V): `pick` of `noise`,
+    in one compiled graph."""
+    n, width = probs.shape
+    return _picked(probs, *_inputs(seed, start, n, width))
 
 
 def coupled_accept(p: mx.array, drafts: mx.array, seed: int, start: int) -> mx.array:
     """[n, token] of a seeded row's drafting round: p (k + 1, V) its warped target distributions
     at positions start..start+k, `drafts` (k,) its proposals; the target's choice at every
     position, the drafts accepted while they equal it, then the target's choice after them."""
-    k = drafts.shape[0]
-    chosen = pick(p, noise(seed, start, k + 1, p.shape[-1]))  # (k + 1,)
-    same = (chosen[:k] == drafts.astype(mx.int32)).astype(mx.int32)
-    n = mx.cumprod(same).sum().reshape(1).astype(mx.int32)
-    return mx.concatenate([n, mx.take(chosen, n)])
+    k1, width = p.shape
+    return _coupled(p, drafts.astype(mx.int32), *_inputs(seed, start, k1, width))
