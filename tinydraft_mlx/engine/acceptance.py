@@ -27,13 +27,23 @@ import mlx.core as mx
 from . import seeded
 from .drafters import Proposals
 from .rejection import speculative_accept, speculative_accept_rows
-from .sampling import process_logits, sample_rows, sampling_groups, warp
+from .sampling import draw, process_logits, sample_rows, sampling_groups, warp, with_warp
 
 
 def _scaled_draw(row: Any) -> bool:
     s = row.sampling
     return (row.round_k == 0 and not s.greedy and s.seed is None and not row.processors
             and s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0)
+
+
+def _fused(row: Any, rows: list[Any]) -> bool:
+    """Whether `row` takes the fused path: unseeded, sampled, no processors, and every such row
+    of its regime drafting the same k this round."""
+    s = row.sampling
+    if s.greedy or s.seed is not None or row.processors or _scaled_draw(row):
+        return False
+    return all(r.round_k == row.round_k for r in rows
+               if r.sampling == s and not r.processors and not _scaled_draw(r))
 
 
 def _processed(row: Any, b: int, proposals: Proposals, logits: mx.array) -> mx.array:
@@ -65,9 +75,26 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
         tokens = sample_rows(mx.softmax(scaled, axis=-1), shared_key())
         for i, j in enumerate(members):
             results[j] = tokens[i : i + 1]
+    for members in sampling_groups(rows, lambda j, r: _fused(r, rows)).values():
+        # unseeded rows of one regime and one k (one sequence, or a uniform batch): the warp
+        # and the draw or the acceptance rule in one compiled graph, as `decode` ran them
+        k, sampling = rows[members[0]].round_k, rows[members[0]].sampling
+        first = members[0]
+        x = (logits[first : first + len(members)] if members[-1] - first == len(members) - 1
+             else logits[mx.array(members)])[:, : k + 1]  # a slice where the rows are adjacent
+        if k == 0:
+            tokens = draw(x[:, 0], sampling, shared_key())[1]
+            pairs = [tokens[i : i + 1] for i in range(len(members))]
+        else:
+            q = mx.stack([proposals.q_of(j, logits.shape[-1]) for j in members])
+            d = mx.stack([proposals.drafts(j) for j in members])
+            n, token = with_warp(speculative_accept, sampling)(x, q, d, shared_key())
+            pairs = list(mx.stack([n, token], axis=1))
+        for j, pair in zip(members, pairs):
+            results[j] = pair
     warped: dict[int, mx.array] = {}  # row -> its warped p (other sampled rows, no processors)
     for members in sampling_groups(rows, lambda j, r: not r.sampling.greedy and not r.processors
-                                   and not _scaled_draw(r)).values():
+                                   and not _scaled_draw(r) and results[j] is None).values():
         probs = warp(logits[mx.array(members)], rows[members[0]].sampling)  # one warp
         warped.update({j: probs[i : i + 1] for i, j in enumerate(members)})
     plain_shared = []  # unseeded plain rows: drawn together

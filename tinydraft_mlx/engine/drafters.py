@@ -32,6 +32,7 @@ from .policy_store import fingerprint
 from .sampling import (
     ParameterError,
     Processor,
+    draw,
     process_logits,
     sample_rows,
     sampling_groups,
@@ -464,13 +465,30 @@ class Drafting:
         drafts this far (seeded: with its position's noise), else the argmax (a greedy row, or
         padding)."""
         warped: dict[int, mx.array] = {}
-        for members in sampling_groups(rows, lambda j, r: j in qs and i < ks[j]
-                                       and j not in histories).values():
-            probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
-            warped.update({j: probs[g] for g, j in enumerate(members)})
         picks: list[mx.array | None] = [None] * len(rows)
+        groups = list(sampling_groups(rows, lambda j, r: j in qs and i < ks[j]
+                                      and j not in histories).values())
+        # unseeded draws: a key per regime group drawn in one graph, one for the other rows
+        fused = [m for m in groups if all(rows[j].sampling.seed is None for j in m)]
+        alone = any(rows[j].sampling.seed is None and i < ks[j] for j in qs
+                    if not any(j in m for m in fused))
+        count = len(fused) + alone
+        step_keys = ([] if count == 0 else [keys[i]] if count == 1 else
+                     list(mx.random.split(keys[i], count)))
+        for members in groups:
+            sampling, x = rows[members[0]].sampling, logits[mx.array(members)]
+            if members in fused:
+                probs, drawn = draw(x, sampling, step_keys[fused.index(members)])
+                for n, j in enumerate(members):
+                    qs[j].append(probs[n])
+                    picks[j] = drawn[n]
+            else:
+                probs = warp(x, sampling)
+                warped.update({j: probs[n] for n, j in enumerate(members)})
         pooled: list[tuple[int, mx.array]] = []  # unseeded rows drawing at this step
         for j, row in enumerate(rows):
+            if picks[j] is not None:  # drawn with its group
+                continue
             row_logits = logits[j]
             if j in histories:
                 row_logits = draft_logits(row_logits, histories[j], [t[j] for t in chain],
@@ -486,7 +504,7 @@ class Drafting:
             else:
                 picks[j] = mx.argmax(row_logits, axis=-1)
         if pooled:
-            drawn = sample_rows(mx.stack([q for _, q in pooled]), keys[i])
+            drawn = sample_rows(mx.stack([q for _, q in pooled]), step_keys[-1])
             for n, (j, _) in enumerate(pooled):
                 picks[j] = drawn[n]
         return mx.stack(picks).astype(mx.int32)

@@ -117,8 +117,11 @@ class _Row:
         return len(self.seq) - self.prompt_len
 
     def split(self) -> None:
-        """This round's keys: a drafting round splits two (draft, verify), a plain step one."""
-        if self.sampling.greedy:
+        """This round's keys, where the row draws with keys of its own: an unseeded sampled row
+        splits two for a drafting round (draft, verify) and one for a plain step with logits
+        processors; otherwise its draws are the batch's shared ones or its seed's noise."""
+        s = self.sampling
+        if s.greedy or s.seed is not None or not (self.round_k or self.processors):
             self.draft_key = self.verify_key = None
         elif self.round_k:
             self.key, self.draft_key, self.verify_key = mx.random.split(self.key, 3)
