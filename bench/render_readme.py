@@ -399,7 +399,9 @@ def server(r: dict) -> list[str]:
     base = "mlx_lm.server, no draft" if "mlx_lm.server, no draft" in engines else engines[-1]
     command = "python bench/server.py" + ("" if s["name"] == "server" else
                                           f" --clients {' '.join(map(str, s['clients']))} "
-                                          f"--name {s['name']}")
+                                          + ("" if s["requests"] == 3 else
+                                             f"--requests {s['requests']} ")
+                                          + f"--name {s['name']}")
     lines = [
         f"**Through HTTP** (`{command}`; {pair}, {s['dtype']} for all, k={s['k']}, "
         f"{s['max_tokens']} tokens per request, {s['requests']} streaming requests per client, "
