@@ -151,8 +151,8 @@ def test_seeded_pick_draws_from_p():
 
     p = np.array([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
     n = 40_000
-    picks = np.array(seeded.pick(mx.array(p, dtype=mx.float32)[None],
-                                 seeded.noise(5, 0, n, len(p))))
+    probs = mx.broadcast_to(mx.array(p, dtype=mx.float32)[None], (n, len(p)))
+    picks = np.array(seeded.choose(probs, 5, 0))
     counts = np.bincount(picks, minlength=len(p))
     assert counts[-1] == 0
     stat = ((counts[:-1] - n * p[:-1]) ** 2 / (n * p[:-1])).sum()

@@ -36,16 +36,6 @@ def _scaled_draw(row: Any) -> bool:
             and s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0)
 
 
-def _fused(row: Any, rows: list[Any]) -> bool:
-    """Whether `row` takes the fused path: unseeded, sampled, no processors, and every such row
-    of its regime drafting the same k this round."""
-    s = row.sampling
-    if s.greedy or s.seed is not None or row.processors or _scaled_draw(row):
-        return False
-    return all(r.round_k == row.round_k for r in rows
-               if r.sampling == s and not r.processors and not _scaled_draw(r))
-
-
 def _processed(row: Any, b: int, proposals: Proposals, logits: mx.array) -> mx.array:
     """Row b's (1, k+1, V) logits, through its processors with each position's history."""
     k = row.round_k
@@ -75,10 +65,13 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
         tokens = sample_rows(mx.softmax(scaled, axis=-1), shared_key())
         for i, j in enumerate(members):
             results[j] = tokens[i : i + 1]
-    for members in sampling_groups(rows, lambda j, r: _fused(r, rows)).values():
+    for members in sampling_groups(rows, lambda j, r: not r.sampling.greedy and not r.processors
+                                   and r.sampling.seed is None and not _scaled_draw(r)).values():
         # unseeded rows of one regime and one k (one sequence, or a uniform batch): the warp
         # and the draw or the acceptance rule in one compiled graph, as `decode` ran them
         k, sampling = rows[members[0]].round_k, rows[members[0]].sampling
+        if any(rows[j].round_k != k for j in members):
+            continue  # drafting different ks: warped below, then the padded rule
         first = members[0]
         x = (logits[first : first + len(members)] if members[-1] - first == len(members) - 1
              else logits[mx.array(members)])[:, : k + 1]  # a slice where the rows are adjacent
@@ -113,7 +106,7 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
             start = len(row.seq) + ahead
             results[j] = (seeded.choose(p, row.sampling.seed, start) if k == 0 else
                           seeded.coupled_accept(p, proposals.drafts(j), row.sampling.seed, start))
-        elif k == 0 and j in warped and row.sampling.seed is None:
+        elif k == 0 and j in warped:
             plain_shared.append(j)
         elif k == 0:  # a plain step with the row's own key
             p = warped[j][:, 0] if j in warped else warp(row_logits[:, 0], row.sampling)
@@ -137,7 +130,7 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
 
 
 def _accept(rows: list[Any], members: list[int], proposals: Proposals,
-            warped: dict[int, mx.array], keys: list[mx.array] | mx.array) -> mx.array:
+            warped: dict[int, mx.array], key: mx.array) -> mx.array:
     """(len(members), 2) [n, token] of the drafting rows `members`, in one batch."""
     lengths = [rows[j].round_k for j in members]
     top = max(lengths)
@@ -146,5 +139,5 @@ def _accept(rows: list[Any], members: list[int], proposals: Proposals,
                   for j, n in zip(members, lengths)])
     d = mx.stack([mx.pad(proposals.drafts(j), [(0, top - n)])
                   for j, n in zip(members, lengths)])
-    n, token = speculative_accept_rows(p, q, d, lengths, keys)
+    n, token = speculative_accept_rows(p, q, d, lengths, key)
     return mx.stack([n, token], axis=1)

@@ -468,23 +468,22 @@ class Drafting:
         picks: list[mx.array | None] = [None] * len(rows)
         groups = list(sampling_groups(rows, lambda j, r: j in qs and i < ks[j]
                                       and j not in histories).values())
-        # unseeded draws: a key per regime group drawn in one graph, one for the other rows
+        # unseeded draws: a key per regime group drawn with its warp in one graph, and one for
+        # the unseeded rows drawn apart (with processors, or beside seeded rows of their regime)
         fused = [m for m in groups if all(rows[j].sampling.seed is None for j in m)]
-        alone = any(rows[j].sampling.seed is None and i < ks[j] for j in qs
+        apart = any(rows[j].sampling.seed is None and i < ks[j] for j in qs
                     if not any(j in m for m in fused))
-        count = len(fused) + alone
+        count = len(fused) + apart
         step_keys = ([] if count == 0 else [keys[i]] if count == 1 else
                      list(mx.random.split(keys[i], count)))
-        for members in groups:
-            sampling, x = rows[members[0]].sampling, logits[mx.array(members)]
-            if members in fused:
-                probs, drawn = draw(x, sampling, step_keys[fused.index(members)])
-                for n, j in enumerate(members):
-                    qs[j].append(probs[n])
-                    picks[j] = drawn[n]
-            else:
-                probs = warp(x, sampling)
-                warped.update({j: probs[n] for n, j in enumerate(members)})
+        for members, key in zip(fused, step_keys):
+            probs, drawn = draw(logits[mx.array(members)], rows[members[0]].sampling, key)
+            for n, j in enumerate(members):
+                qs[j].append(probs[n])
+                picks[j] = drawn[n]
+        for members in (m for m in groups if m not in fused):
+            probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
+            warped.update({j: probs[n] for n, j in enumerate(members)})
         pooled: list[tuple[int, mx.array]] = []  # unseeded rows drawing at this step
         for j, row in enumerate(rows):
             if picks[j] is not None:  # drawn with its group

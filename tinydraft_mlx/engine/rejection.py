@@ -115,40 +115,25 @@ def _emission_row(p: mx.array, q: mx.array, n: mx.array) -> mx.array:
 
 
 def speculative_accept_rows(
-    p: mx.array, q: mx.array, draft_tokens: mx.array, lengths: list[int],
-    keys: list[mx.array] | mx.array,
+    p: mx.array, q: mx.array, draft_tokens: mx.array, lengths: list[int], key: mx.array,
 ) -> tuple[mx.array, mx.array]:
     """`speculative_accept` for B rows that drafted different numbers of tokens: row b drafted
     lengths[b] tokens (its p rows beyond lengths[b] + 1 and q, draft rows beyond lengths[b] are
-    padding). With a key per row (`keys` a list), row b's randomness is drawn exactly as
-    `speculative_accept` draws it for that row alone (its key split in two; a (1, lengths[b])
-    uniform; an inverse-CDF draw from its (1, V) residual row), so a seeded row's outcome does not
-    depend on the rows beside it; with one key (`keys` an array) the rows' draws are made
-    together (independent draws all the same: each row is still distributed exactly as p).
+    padding). The rows' draws are made together from one key (independent draws all the same:
+    each row is distributed exactly as p).
 
     Args:
         p: (B, L, Vp) target probabilities, L = max(lengths) + 1; q: (B, L - 1, Vq);
-        draft_tokens: (B, L - 1) int; lengths: B ints in [1, L - 1]; keys: B `mx.random.key`s.
+        draft_tokens: (B, L - 1) int; lengths: B ints in [1, L - 1]; key: an `mx.random.key`.
     Returns:
         n: (B,) accepted counts; token: (B,) the token emitted after the accepted ones.
     """
     p, q = _same_width(p, q)
     batch, k = draft_tokens.shape
-    if isinstance(keys, mx.array):  # one key for the batch: rows drawn jointly
-        accept_key, sample_key = mx.random.split(keys)
-        u = mx.random.uniform(shape=(batch, k), key=accept_key)
-    else:
-        split = [mx.random.split(key) for key in keys]
-        u = mx.concatenate([mx.pad(mx.random.uniform(shape=(1, n), key=s[0]),
-                                   [(0, 0), (0, k - n)])
-                            for s, n in zip(split, lengths)])  # (B, k); padding masked below
+    accept_key, sample_key = mx.random.split(key)
+    u = mx.random.uniform(shape=(batch, k), key=accept_key)
     drafted = mx.arange(k)[None] < mx.array(lengths)[:, None]
     n = _leading_true(_accepted(p, q, draft_tokens, u) & drafted)
     # q beyond a row's drafts is zero (padding), so its bonus row's residual is p itself
     row = _emission_row(p, q * drafted[..., None], n)
-    if isinstance(keys, mx.array):
-        token = sample_rows(row, sample_key)
-    else:
-        token = mx.concatenate([sample_rows(row[b : b + 1], split[b][1])
-                                for b in range(batch)])
-    return n, token.astype(mx.int32)
+    return n, sample_rows(row, sample_key).astype(mx.int32)

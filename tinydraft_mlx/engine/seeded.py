@@ -84,15 +84,9 @@ def noise(seed: int, start: int, n: int, width: int) -> mx.array:
     return _gumbel(*_inputs(seed, start, n, width))
 
 
-def pick(probs: mx.array, gumbel: mx.array) -> mx.array:
-    """argmax(log probs + gumbel) over the last axis (int32): a zero-probability token is never
-    picked. `gumbel` may be wider than `probs` (its first columns are used)."""
-    return mx.argmax(_scores(probs, gumbel[..., : probs.shape[-1]]), axis=-1).astype(mx.int32)
-
-
 def choose(probs: mx.array, seed: int, start: int) -> mx.array:
-    """The seeded choices at positions start..start+n-1 from `probs` (n, V): `pick` of `noise`,
-    in one compiled graph."""
+    """The seeded choices at positions start..start+n-1 from `probs` (n, V): argmax(log probs +
+    `noise`) per position, in one compiled graph (a zero-probability token is never chosen)."""
     n, width = probs.shape
     return _picked(probs, *_inputs(seed, start, n, width))
 

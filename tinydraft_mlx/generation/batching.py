@@ -44,9 +44,8 @@ def batch_generate(
 
     Exactness: each prompt's output is what `generate` gives it alone. Greedy: the same tokens
     (up to the float rounding of batched matmuls on a near-tie, see docs/design.md). Sampled:
-    distributed exactly as plain sampling from `target`; with a seed and a fixed k, the same
-    tokens whichever prompts share the batch (k="auto" chooses k with the batch in view, so its
-    seeded samples depend on the batch's size).
+    distributed exactly as plain sampling from `target`; with a seed, plain decoding's tokens with
+    that seed, whichever prompts share the batch and whatever k.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ParameterError("prompts", "a non-empty list of prompts", prompts)
@@ -54,15 +53,15 @@ def batch_generate(
         raise ParameterError("prompt_progress_callback", "None in batch_generate",
                              kwargs["prompt_progress_callback"])
     options = kwargs.pop("options", None)
+    kwargs.pop("prompt_progress_callback", None)
+    unknown = sorted(set(kwargs) - set(FIELDS) - {"prompt_cache"})
+    if unknown:
+        raise TypeError(f"batch_generate() got unexpected keyword arguments {unknown}")
     width = vocab_width(target)
     plans = []
     for i, prompt in enumerate(prompts):
         settings = _settings(kwargs, i, len(prompts))
         cache = settings.pop("prompt_cache", None)
-        settings.pop("prompt_progress_callback", None)
-        unknown = sorted(set(settings) - set(FIELDS))
-        if unknown:
-            raise TypeError(f"batch_generate() got unexpected keyword arguments {unknown}")
         plans.append(prepare(target, draft, tokenizer, prompt,
                              options_from(options, settings, width), prompt_cache=cache))
     caches = [p.prompt_cache for p in plans if p.prompt_cache is not None]

@@ -104,9 +104,6 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
     defaults = Options()
     values = {name: getattr(defaults, name) if given.get(name) is None else given[name]
               for name in FIELDS}
-    for name in ("seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "max_kv_size", "chat_template", "logprobs"):
-        values[name] = given.get(name)  # None is a value of its own here
     check_k(values["k"])
     check_int("max_tokens", values["max_tokens"], 1)
     SamplingParams(values["temperature"], values["top_p"], values["top_k"], values["min_p"],
@@ -118,7 +115,7 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
     _check_range("frequency_penalty", values["frequency_penalty"], -MAX_PENALTY, MAX_PENALTY)
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         check_int(name, values[name], 1)
-    values["logit_bias"] = _logit_bias(values["logit_bias"], vocab_size)
+    values["logit_bias"] = _logit_bias(given.get("logit_bias") or {}, vocab_size)
     processors = values["logits_processors"]
     if isinstance(processors, (str, bytes)) or not isinstance(processors, Sequence) or not all(
             callable(p) for p in processors):
@@ -149,8 +146,6 @@ def _check_range(name: str, value: object, low: float, high: float) -> None:
 
 
 def _logit_bias(bias: object, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
-    if isinstance(bias, tuple) and all(isinstance(p, tuple) for p in bias):
-        bias = dict(bias)  # an Options' own form
     if not isinstance(bias, Mapping):
         raise ParameterError("logit_bias", "a dict of token id -> bias", bias)
     top = vocab_size - 1 if vocab_size is not None else None

@@ -333,10 +333,7 @@ class Service:
             except ValueError:
                 raise bad("logit_bias", f"logit_bias keys must be token ids (got {key!r})")\
                     from None
-            if not 0 <= token < self.vocab:
-                raise bad("logit_bias", f"logit_bias token ids must be in [0, {self.vocab - 1}]"
-                          f" (got {token})")
-            out[token] = value
+            out[token] = value  # its range and value: `make_options`
         return out
 
     # -- running ---------------------------------------------------------------------------------
