@@ -627,6 +627,54 @@ def seeded(r: dict) -> list[str]:
     return lines
 
 
+def hybrid_models(r: dict) -> list[str]:
+    m, t = r["machine"], r["target"]
+    runs = r["runs"]
+
+    def tps(contender: str, batch: int, alpha: float = 0.0) -> float:
+        return next(x["tok_s"] for x in runs if x["contender"] == contender
+                    and x["batch"] == batch and (contender in ("mlx_lm", "plain")
+                                                 or x["alpha"] == alpha))
+
+    lines = [
+        f"**Hybrid target (recurrent + attention layers)** (`python bench/hybrid_models.py`; a "
+        f"random Qwen3.5-shaped target: {t['num_hidden_layers']} layers of Qwen3.5-0.8B's shapes, "
+        f"{t['num_hidden_layers'] * 3 // 4} Gated DeltaNet and {t['num_hidden_layers'] // 4} "
+        f"attention, vocabulary {t['vocab_size']}; {r['draft']} draft; {r['dtype']}, "
+        f"{r['max_tokens']} tokens, greedy, each contender its own process; {m['device']}; "
+        "[json](results/hybrid_models.json), [plot](results/hybrid_models.png)): tok/s over "
+        "our plain decoding",
+        "",
+        "| B | mlx-lm plain | ours plain | k = 1 | k = 2 | k = 3 | k = 4 | auto | alpha |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = tps("plain", 1)
+    for alpha in (0.5, 0.9):
+        cells = [f"{tps(str(k), 1, alpha) / base:.2f}x" for k in (1, 2, 3, 4)]
+        lines.append(f"| 1 | {tps('mlx_lm', 1) / base:.2f}x | 1.00x ({base:.1f} tok/s) | "
+                     + " | ".join(cells) + f" | {tps('auto', 1, alpha) / base:.2f}x | {alpha} |")
+    base4 = tps("plain", 4)
+    lines.append(f"| 4 | {tps('mlx_lm', 4) / base4:.2f}x | 1.00x ({base4:.1f} tok/s) | | "
+                 f"{tps('2', 4, 0.9) / base4:.2f}x | | | {tps('auto', 4, 0.9) / base4:.2f}x "
+                 "| 0.9 |")
+    lines += ["", "Rolling back the recurrent layers after a verify of k + 1 positions (to "
+              "k // 2 + 1 of them; one sequence; medians of 20):", "",
+              "| k | verify forward, ms | rollback, ms | rollback / verify | tape, MB |",
+              "| --- | --- | --- | --- | --- |"]
+    for c in r["rollback"]:
+        lines.append(f"| {c['k']} | {c['verify_ms']:.1f} | {c['rollback_ms']:.2f} | "
+                     f"{c['rollback_ms'] / c['verify_ms']:.1%} | {c['tape_bytes'] / 1e6:.1f} |")
+    lines += ["", "What the tape holds per sequence during a round (projected from the layer "
+              "shapes, bfloat16 inputs, float32 states), against writing every verified "
+              "position's state:", "",
+              "| Qwen3.5 shape | k | tape, MB | a state per position, MB |",
+              "| --- | --- | --- | --- |"]
+    for p in r["projected"]:
+        lines.append(f"| {p['shape']} | {p['k']} | {p['tape_MB']:.0f} | "
+                     f"{p['states_per_position_MB']:.0f} |")
+    return lines
+
+
 PROMPT_CACHE_HEAD = [
     "**Prompt cache, second turn of a conversation** (median of the runs; the whole turn "
     "includes decoding the reply)",
@@ -666,6 +714,7 @@ def main() -> None:
         ("batch", batch),
         ("batch_shapes", batch_shapes),
         ("hybrid", hybrid),
+        ("hybrid_models", hybrid_models),
     ]:
         data = _load(name)
         if data is not None:

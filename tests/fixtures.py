@@ -210,3 +210,65 @@ def build_family_pair(root: Path, family: str, seed: int | None = None) -> tuple
     target.save_pretrained(target_dir)
     draft.save_pretrained(draft_dir)
     return target_dir, draft_dir
+
+
+# hybrid models: recurrent layers (Gated DeltaNet, Mamba-2) interleaved with full attention
+HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h")
+HYBRID_SEEDS = {"qwen3_next": 1, "qwen3_5": 3, "nemotron_h": 1}  # margins > 9e-3 on the paths
+
+
+def _hybrid_config(family: str, layers: int, width: int, eos_id: int):
+    """Target (4 layers: recurrent, attention, recurrent, attention) or draft (its first 2)."""
+    import transformers as tf
+
+    common = dict(vocab_size=width, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+                  initializer_range=0.2, eos_token_id=eos_id, bos_token_id=eos_id)
+    gdn = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+               linear_value_head_dim=16, full_attention_interval=2)
+    if family == "qwen3_next":  # GDN + gated attention, sparse MoE MLPs
+        return tf.Qwen3NextConfig(**common, **gdn, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "qwen3_5":  # the text model of Qwen3.5 (dense MLPs), as transformers 5 writes it
+        return tf.Qwen3_5TextConfig(**common, **gdn)
+    if family == "nemotron_h":  # Mamba-2 mixers and attention ("M*M-": the last an MLP)
+        return tf.NemotronHConfig(**common, mamba_num_heads=4, mamba_head_dim=16,
+                                  ssm_state_size=16, n_groups=2, mamba_d_conv=4, mamba_expand=1,
+                                  hybrid_override_pattern="M*M-"[:layers])
+    raise ValueError(f"unknown hybrid family {family!r}")
+
+
+def build_hybrid_pair(root: Path, family: str, damp: float = 0.2) -> tuple[Path, Path]:
+    """Write root/<family>/target (4 layers) and root/<family>/draft (a copy of its first 2, a
+    hybrid draft too); same tokenizer. The target's later layers are damped by `damp`, so the
+    draft agrees with it often but not always."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir, draft_dir = root / family / "target", root / family / "draft"
+    build_tokenizer(target_dir)
+    build_tokenizer(draft_dir)
+    eos_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(EOS)
+    torch.manual_seed(HYBRID_SEEDS[family])
+    target = AutoModelForCausalLM.from_config(_hybrid_config(family, 4, TARGET_WIDTH, eos_id))
+    draft = AutoModelForCausalLM.from_config(_hybrid_config(family, 2, VOCAB, eos_id))
+    target.eval()
+    draft.eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)
+        target.lm_head.weight[eos_id] = 0.0
+        for layer in target.model.layers[2:]:
+            for name, weight in layer.named_parameters():
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                    weight.mul_(damp)
+        embed = "embeddings" if family == "nemotron_h" else "embed_tokens"
+        norm = "norm_f" if family == "nemotron_h" else "norm"
+        getattr(draft.model, embed).weight.copy_(getattr(target.model, embed).weight[:VOCAB])
+        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
+        getattr(draft.model, norm).load_state_dict(getattr(target.model, norm).state_dict())
+        for i in range(2):
+            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+    target.save_pretrained(target_dir)
+    draft.save_pretrained(draft_dir)
+    return target_dir, draft_dir

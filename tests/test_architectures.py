@@ -8,22 +8,20 @@ compiled decode forward (checked: it traced); Gemma 3's sliding-window layers (w
 than every sequence here) keep bounded caches that must roll back after they wrap, and a control
 shows that mlx-lm's own rotating cache, which cannot, gives a wrong output on the same path.
 One family (Llama) is also checked sampled: the joint of its first two tokens against the oracle.
-Architectures whose caches cannot roll back (recurrent / linear-attention layers) are refused at
-load time with a message that names the reason.
+Hybrid models with recurrent layers are checked in tests/test_hybrid.py.
 """
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.fixtures import FAMILIES, GEMMA_WINDOW, VOCAB, build_family_pair, build_tokenizer
+from tests.fixtures import FAMILIES, GEMMA_WINDOW, build_family_pair
 from tests.reference import check_first_two_tokens, two_step_joint
 from tinydraft_mlx import PromptCache, batch_generate, generate, load_models
 from tinydraft_mlx.engine import cache as cache_module
 from tinydraft_mlx.engine.cache import RollbackRotatingKVCache, make_cache
 from tinydraft_mlx.engine.forward import SUPPORTED, traces
 from tinydraft_mlx.engine.rounds import BatchDecoder
-from tinydraft_mlx.generation.loading import ModelLoadError, load_model
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
@@ -161,32 +159,6 @@ def test_llama_sampled_first_two_tokens_follow_the_oracle(families):
     check_first_two_tokens(
         lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed,
                               prompt_cache=cache, **warp_kw), 2000, exact, wrong)
-
-
-def test_a_model_whose_caches_cannot_roll_back_is_refused_at_load(tmp_path):
-    """A hybrid linear-attention model (Qwen3-Next, as Qwen3.5): its recurrent state has no
-    rollback, so loading it names the architecture and the reason instead of decoding wrongly."""
-    import torch
-    import transformers as tf
-
-    directory = tmp_path / "qwen3_next"
-    build_tokenizer(directory)
-    config = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        full_attention_interval=4, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    with pytest.raises(ModelLoadError) as err:
-        load_model(directory)
-    message = str(err.value)
-    assert "qwen3_next" in message and "ArraysCache" in message and "roll" in message
-    assert "snapshots" in message and "\n" not in message
-    with pytest.raises(ModelLoadError, match="qwen3_next"):
-        load_models(str(directory), "none")
-    mx.clear_cache()
 
 
 def test_gemma3_prompt_cache_reuse_and_the_server_runs_it_one_at_a_time(families, references,

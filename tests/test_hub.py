@@ -1,5 +1,6 @@
-"""Real Qwen2.5 checkpoints from the Hugging Face hub. Opt-in (TINYDRAFT_HUB_TESTS=1) because they
-download gigabytes; skipped with the reason when the hub cannot provide them."""
+"""Real checkpoints from the Hugging Face hub (Qwen2.5; hybrid Qwen3.5 and Nemotron-H). Opt-in
+(TINYDRAFT_HUB_TESTS=1) because they download gigabytes; skipped with the reason when the hub
+cannot provide them."""
 
 import os
 
@@ -74,3 +75,28 @@ def test_qwen25_calls_a_tool_through_the_server_and_hybrid_stays_exact(qwen):
     hybrid, stats = generate(target, Hybrid(draft), tok, prompt, k=4, max_tokens=64)
     assert hybrid == plain
     assert stats.acceptance_rate > 0.5
+
+
+@pytest.mark.parametrize("target, draft", [
+    ("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-0.8B"),  # Gated DeltaNet + attention, a hybrid draft
+    ("nvidia/NVIDIA-Nemotron-Nano-9B-v2", "prompt-lookup"),  # Mamba-2 + attention
+])
+def test_a_real_hybrid_target_decodes_exactly(target, draft):
+    """A real hybrid checkpoint (recurrent layers rolled back by replay): greedy speculative
+    output is the transformers oracle's, one sequence and in a batch of two."""
+    from huggingface_hub import snapshot_download
+
+    from tests.oracle import Oracle
+    from tinydraft_mlx import batch_generate
+
+    try:
+        t, d, tok = load_models(target, draft, dtype="float32")
+    except ModelLoadError as err:
+        pytest.skip(f"hub unreachable: {err}")
+    ids = tok.encode("def fibonacci(n):")
+    ref, margin = Oracle(snapshot_download(target)).greedy(ids, 24, eos=tok.eos_token_id)
+    assert margin > 1e-3
+    out, stats = generate(t, d, tok, ids, k=3, max_tokens=24)
+    assert out == ref
+    outs = batch_generate(t, d, tok, [ids, tok.encode("import os\n")], k=3, max_tokens=24)
+    assert outs[0][0] == ref

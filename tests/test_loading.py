@@ -141,7 +141,10 @@ def test_first_sentence_is_never_cut_mid_word():
         ("mlx-community/Meta-Llama-3-8B-Instruct-4bit", None),  # Llama 3.0: other special tokens
         ("mlx-community/gemma-3-12b-it-qat-4bit", "mlx-community/gemma-3-1b-it-qat-4bit"),
         ("mlx-community/Mistral-7B-Instruct-v0.3-4bit", None),  # no small sibling shares it
-        ("mlx-community/Qwen3.5-9B-4bit", None),
+        ("mlx-community/Qwen3.5-9B-4bit", "mlx-community/Qwen3.5-0.8B-4bit"),
+        ("mlx-community/Qwen3.5-35B-A3B-8bit", "mlx-community/Qwen3.5-0.8B-8bit"),
+        ("Qwen/Qwen3.5-0.8B", None),
+        ("mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit", None),  # no small sibling
     ],
 )
 def test_default_draft_per_family(target, draft):

@@ -32,20 +32,26 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, rollback
+from .cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, reach, rollback
 from .forward import forward, forward_batch
+from .recurrent import RecurrentCache
 
 STEP = 256  # unbounded buffers grow by this many slots
 
 
 class BatchCache:
-    """Per-layer batch buffers and the length of each row. `max_kv_size` bounds every row as
-    `make_cache(model, max_kv_size, margin)` bounds one sequence (same slot layout, so rows move
-    in and out by copying)."""
+    """Per-layer batch buffers and the length of each row. `layers`: the number of layers (all
+    attention) or each layer's kind (`cache.layer_kinds`: "kv", or "recurrent": a
+    `RecurrentCache` holding every row's state, rolled back per row by replay). `max_kv_size`
+    bounds every attention row as `make_cache(model, max_kv_size, margin)` bounds one sequence
+    (same slot layout, so rows move in and out by copying)."""
 
-    def __init__(self, n_layers: int, max_kv_size: int | None = None, keep: int = KEEP,
+    def __init__(self, layers: int | list[str], max_kv_size: int | None = None, keep: int = KEEP,
                  margin: int = 1) -> None:
-        self.layers = [BatchLayer(self) for _ in range(n_layers)]
+        kinds = ["kv"] * layers if isinstance(layers, int) else layers
+        self.layers = [BatchLayer(self) if kind == "kv" else RecurrentCache(2, margin + 1)
+                       for kind in kinds]
+        self.kv = [layer for layer in self.layers if isinstance(layer, BatchLayer)]
         self.lengths: list[int] = []
         self.max_kv_size, self.keep, self.margin = max_kv_size, keep, margin
         if max_kv_size is not None:
@@ -78,8 +84,16 @@ class BatchCache:
 
     # -- a forward ---------------------------------------------------------------------------
     def capacity(self) -> int:
-        layer = self.layers[0]
-        return 0 if layer.keys is None else layer.keys.shape[2]
+        layer = self.kv[0] if self.kv else None
+        return 0 if layer is None or layer.keys is None else layer.keys.shape[2]
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the rows' caches hold (to evaluate them at once)."""
+        out = []
+        for layer in self.layers:
+            state = layer.cache if isinstance(layer, RecurrentCache) else layer.state
+            out += [a for a in state if a is not None]
+        return out
 
     def reserve(self, n: int, size: int | None = None) -> None:
         """Room for n more tokens in every row (unbounded: the buffers grow to `size`, or to the
@@ -95,7 +109,7 @@ class BatchCache:
             if need <= self.capacity():
                 return
             size = -(-need // STEP) * STEP
-        for layer in self.layers:
+        for layer in self.kv:
             layer.resize(size)
 
     def advance(self, n: int) -> None:
@@ -142,17 +156,29 @@ class BatchCache:
                 raise ValueError(f"cannot roll back {length - k} tokens of a wrapped bounded row; "
                                  f"at most margin + 1 = {self.margin + 1}")
             lengths.append(k)
+        backs = [length - k for length, k in zip(self.lengths, lengths)]
+        for layer in self.layers:
+            if isinstance(layer, RecurrentCache):
+                layer.rollback_rows(backs)
         self._set(lengths)
+
+    def reach(self, index: int) -> int | None:
+        """How many tokens back row `index` can roll back where recurrent layers limit it."""
+        held = [layer.held(index) for layer in self.layers if isinstance(layer, RecurrentCache)]
+        return min(held) if held else None
 
     def add(self, caches: list[Cache | None]) -> None:
         """Append one row per one-sequence cache, holding what it holds (None or empty: an
         empty row): one copy of the batch for all of them."""
-        lengths = [c[0].offset if c and c[0].keys is not None else 0 for c in caches]
+        lengths = [cache_length(c) if c else 0 for c in caches]
         size = None
         if not self.bounded:
             need = max(lengths + self.lengths + [self.capacity()])
             size = -(-need // STEP) * STEP if need else STEP
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, RecurrentCache):
+                layer.add_rows([c[i] if c else None for c in caches], len(self.lengths))
+                continue
             layer.add_rows([(c[i].keys, c[i].values) if n else (None, None)
                             for c, n in zip(caches, lengths)], lengths, size)
         self._set(self.lengths + lengths)
@@ -173,6 +199,9 @@ class BatchCache:
         length = self.lengths[index]
         out = []
         for layer in self.layers:
+            if isinstance(layer, RecurrentCache):
+                out.append(layer.row(index, length))
+                continue
             if self.bounded:
                 solo = RollbackRotatingKVCache(self.max_kv_size, self.keep, self.margin)
             else:
@@ -303,6 +332,9 @@ class SingleCache:
     def rollback(self, keep: list[int]) -> None:
         (n,) = keep
         rollback(self.cache, n)
+
+    def reach(self, index: int) -> int | None:
+        return reach(self.cache)
 
     def add(self, caches: list[Cache]) -> None:
         if self.cache is not None or len(caches) != 1:

@@ -10,7 +10,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from .recurrent import RecurrentCache, model_kind, recurrent_cache
 
 Cache = list[Any]  # one cache object per layer
 
@@ -19,31 +21,49 @@ KEEP = 4  # sink positions a bounded cache always keeps (as mlx-lm's RotatingKVC
 
 
 def make_cache(model: nn.Module, max_kv_size: int | None = None, margin: int = 1) -> Cache:
-    """A fresh per-layer cache for `model`: unbounded, or bounded to `max_kv_size` positions with
-    a rollback margin of `margin` slots (use >= k + 1). Raises ValueError if the model's cache
+    """A fresh per-layer cache for `model`: unbounded, or its attention layers bounded to
+    `max_kv_size` positions, with a rollback margin of `margin` slots (use >= k + 1); recurrent
+    layers (recurrent.py) reach margin + 1 positions back. Raises ValueError if the model's cache
     cannot be rolled back."""
+    layers = make_prompt_cache(model)
     if max_kv_size is not None:
-        if not standard_layers(model):
+        if layer_kinds(model) is None:
             raise ValueError(
-                "max_kv_size needs a model made of standard attention layers; this model builds "
-                "its own caches (sliding-window or recurrent layers)"
+                "max_kv_size needs a model made of standard attention layers (and recurrent "
+                "ones); this model builds its own caches (sliding-window layers)"
             )
-        n_layers = len(model.layers)
-        return [RollbackRotatingKVCache(max_kv_size, KEEP, margin) for _ in range(n_layers)]
-    cache = [_rollback_able(layer, margin) for layer in make_prompt_cache(model)]
+        layers = [RollbackRotatingKVCache(max_kv_size, KEEP, margin) if type(c) is KVCache
+                  else c for c in layers]
+    cache = [recurrent_cache(_rollback_able(layer, margin), model, margin) for layer in layers]
     if not all(c.is_trimmable() for c in cache):
         kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
         raise ValueError(
-            f"speculative decoding needs caches that can roll back; this model uses {kinds} "
-            "(recurrent or state-space layers keep a state that cannot be rolled back)"
+            f"speculative decoding needs caches that can roll back; this model's layers keep "
+            f"{kinds}, a state tinydraft-mlx rolls back only for Gated DeltaNet and Mamba-2 "
+            "layers (Qwen3-Next, Qwen3.5, Nemotron-H)"
         )
     return cache
 
 
 def standard_layers(model: nn.Module) -> bool:
     """Whether every layer of `model` keeps a plain, unbounded KV cache (no sliding window, no
-    recurrent state): what bounded caches and batches are built for."""
+    recurrent state)."""
     return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+
+
+def layer_kinds(model: nn.Module) -> list[str] | None:
+    """Each layer's kind, "kv" (a plain KV cache) or "recurrent" (a state recurrent.py rolls
+    back), where every layer is one of these: what a `BatchCache` and bounded caches are built
+    for; None otherwise (sliding-window layers)."""
+    kinds = []
+    for layer in make_prompt_cache(model):
+        if type(layer) is KVCache:
+            kinds.append("kv")
+        elif type(layer) is ArraysCache and model_kind(model) is not None:
+            kinds.append("recurrent")
+        else:
+            return None
+    return kinds
 
 
 def _rollback_able(layer: Any, margin: int) -> Any:
@@ -66,9 +86,20 @@ def rollback(cache: Cache, keep: int) -> None:
     if not cache:
         return
     keep = min(keep, min(layer.offset for layer in cache))
+    room = reach(cache)
+    if room is not None and cache_length(cache) - keep > room:
+        raise ValueError(f"cannot roll back {cache_length(cache) - keep} tokens of a recurrent "
+                         f"layer's state (it holds the inputs of its last {room} positions)")
     for layer in cache:
-        if layer.offset > keep:
+        if layer.offset > keep or isinstance(layer, RecurrentCache):  # n = 0: its tape shrinks
             layer.trim(layer.offset - keep)
+
+
+def reach(cache: Cache) -> int | None:
+    """How many tokens back `cache` can roll back where it has recurrent layers (their tape);
+    None where it is not limited by them."""
+    held = [layer.held() for layer in cache if isinstance(layer, RecurrentCache)]
+    return min(held) if held else None
 
 
 def slot_positions(end: int | mx.array, keep: int, ring: int) -> mx.array:

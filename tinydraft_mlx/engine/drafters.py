@@ -358,9 +358,16 @@ class Drafting:
         if not members:
             return {}
         lengths = dict(zip(self.uids, self.caches.lengths))
-        ends = {r.uid: min(lengths[r.uid], len(r.seq) - 1) for r in members}
+        ends, lost = {}, set()
+        for r in members:
+            end, room = min(lengths[r.uid], len(r.seq) - 1), self.caches.reach(index[r.uid])
+            if room is not None and lengths[r.uid] - end > room:  # recurrent: cannot go back
+                lost.add(r.uid)
+                end = lengths[r.uid]
+            ends[r.uid] = end
         self.caches.rollback([ends.get(uid, n) for uid, n in lengths.items()])
-        out = {r.uid: self.caches.extract(index[r.uid]) for r in members if r.keep_caches}
+        out = {r.uid: self.caches.extract(index[r.uid]) for r in members
+               if r.keep_caches and r.uid not in lost}
         self.caches.remove([index[r.uid] for r in members])
         gone = {r.uid for r in members}
         self.uids = [uid for uid in self.uids if uid not in gone]

@@ -293,8 +293,14 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
 
 
 def vocab_width(model: nn.Module) -> int | None:
-    """Rows of the model's embedding (its logit width for Qwen2), from the mlx-lm config."""
-    return getattr(getattr(model, "args", None), "vocab_size", None)
+    """Rows of the model's embedding (its logit width for Qwen2), from the mlx-lm config (a
+    multimodal wrapper's, e.g. Qwen3.5's, under "text_config")."""
+    args = getattr(model, "args", None)
+    width = getattr(args, "vocab_size", None)
+    text = getattr(args, "text_config", None)
+    if width is None and isinstance(text, dict):
+        width = text.get("vocab_size")
+    return width
 
 
 def model_inputs(model: nn.Module, tokens: list[int] | mx.array) -> list[int] | mx.array:

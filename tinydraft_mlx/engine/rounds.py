@@ -48,7 +48,7 @@ import mlx.nn as nn
 from .acceptance import verify
 from .backend import generation_stream
 from .batch_cache import BatchCache, SingleCache
-from .cache import KEEP, Cache, cache_length, make_cache, rollback, standard_layers
+from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reach, rollback
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
@@ -140,11 +140,11 @@ def max_draft_length(source: Source, k: int | str) -> int:
 
 def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
     """Which model ("target" or "draft") cannot share a `BatchCache` with other sequences, or
-    None when both can (standard attention layers only, one rank)."""
+    None when both can (attention and recurrent layers only, one rank)."""
     if ranks_of(target) is not None:
         return "target"
     for name, model in (("target", target), ("draft", draft)):
-        if model is not None and not standard_layers(model):
+        if model is not None and layer_kinds(model) is None:
             return name
     return None
 
@@ -169,11 +169,14 @@ class BatchDecoder:
         def rows(model: nn.Module) -> BatchCache | SingleCache:
             if self.single:
                 return SingleCache()
-            return BatchCache(len(model.layers), max_kv_size, KEEP, self.margin)
+            return BatchCache(layer_kinds(model), max_kv_size, KEEP, self.margin)
 
         self.target_cache = rows(target)
         self.width = vocab_width(target)
-        chunk = self.margin + 1 if bounded else prefill_step
+        # a bounded row, and a recurrent one, roll back at most margin + 1 positions: the
+        # draft's padded catch-up forwards are no longer than that
+        recurrent = draft is not None and "recurrent" in (layer_kinds(draft) or [])
+        chunk = self.margin + 1 if bounded or recurrent else prefill_step
         self.drafting = Drafting(draft, rows(draft) if draft is not None else None, chunk,
                                  self.width)
         self.rows: list[_Row] = []  # in the batch, in cache row order
@@ -261,9 +264,13 @@ class BatchDecoder:
             done = self.finished.pop(uid)
             if keep is not None and keep < len(done.tokens):
                 done.tokens = done.tokens[:keep]
-                for cache in (done.target_cache, done.draft_cache):
-                    if cache is not None:
-                        rollback(cache, done.stats.prompt_tokens + keep - 1)
+                end = done.stats.prompt_tokens + keep - 1
+                caches = [c for c in (done.target_cache, done.draft_cache) if c is not None]
+                if all(reach(c) is None or reach(c) >= cache_length(c) - end for c in caches):
+                    for cache in caches:
+                        rollback(cache, end)
+                else:  # a recurrent state cannot go back that far: nothing is kept
+                    done.target_cache = done.draft_cache = None
             return done
         for i, row in enumerate(self.pending):
             if row.uid == uid:
@@ -292,15 +299,23 @@ class BatchDecoder:
             if row.stats.policy is not None:
                 row.stats.policy.save()  # what k="auto" learned, for the next process
         cache = self.target_cache
-        cache.rollback([len(r.seq) - 1 if id(r) in leaving else n
-                        for r, n in zip(self.rows, cache.lengths)])
+        keep, lost = [], set()  # lost: recurrent rows that cannot go back that far (a stop cut)
+        for i, (r, n) in enumerate(zip(self.rows, cache.lengths)):
+            want = min(n, len(r.seq) - 1) if id(r) in leaving else n
+            room = cache.reach(i)
+            if room is not None and n - want > room:
+                lost.add(r.uid)
+                want = n
+            keep.append(want)
+        cache.rollback(keep)
         index = {id(r): i for i, r in enumerate(self.rows)}
         drafts = self.drafting.leave(rows)
         out = {}
         for row in rows:
-            t = cache.extract(index[id(row)]) if row.keep_caches else None
+            t = (cache.extract(index[id(row)]) if row.keep_caches and row.uid not in lost
+                 else None)
             out[row.uid] = Finished(row.uid, row.seq[row.prompt_len:], row.stats, t,
-                                    drafts.get(row.uid))
+                                    drafts.get(row.uid) if t is not None else None)
         cache.remove([index[id(r)] for r in rows])
         if self._queued is not None:
             stay = [i for i, r in enumerate(self.rows) if id(r) not in leaving]
@@ -348,9 +363,8 @@ class BatchDecoder:
         for row in rows:
             row.target_cache = row.draft_cache = None
         self.rows += rows
-        caches = [self.target_cache, self.drafting.caches]
-        mx.eval([layer.state for cache in caches if cache is not None
-                 for layer in cache.layers if getattr(layer, "keys", None) is not None])
+        mx.eval([cache.arrays() for cache in (self.target_cache, self.drafting.caches)
+                 if isinstance(cache, BatchCache)])
         self._joined = True
 
     # -- a round -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm import load as mlx_lm_load
 
 from ..engine import skinny
@@ -36,6 +36,8 @@ _FAMILY_DRAFTS = (
      r"\g<1>0.6B\g<2>"),
     (re.compile(r"^(?:Meta-)?Llama-3\.[123]-\d+B(.*)$"), r"Llama-3.2-1B\g<1>"),
     (re.compile(r"^(gemma-3-)\d+b(.*)$"), r"\g<1>1b\g<2>"),
+    # Qwen3.5 (hybrid GDN + attention, dense and MoE): the 0.8B shares the tokenizer
+    (re.compile(r"^(Qwen3\.5-)\d+(?:\.\d+)?B(?:-A\d+B)?(.*)$"), r"\g<1>0.8B\g<2>"),
 )
 
 
@@ -84,7 +86,11 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """What mlx-lm reads at the top level of a config, taken from transformers 5's forms: the RoPE
     base (and scaling) under "rope_parameters", flat or per layer type (Gemma 3: full attention's
     base, and the sliding layers' as "rope_local_base_freq"), and the sliding-window period from
-    "layer_types" (mlx-lm would otherwise take its default and silently misplace the layers)."""
+    "layer_types" (mlx-lm would otherwise take its default and silently misplace the layers); for
+    hybrid linear-attention models (Qwen3-Next, Qwen3.5) the full-attention period from
+    "layer_types" (mlx-lm reads "full_attention_interval") and a text-only Qwen3.5 checkpoint's
+    model type ("qwen3_5_text") as mlx-lm's model of it ("qwen3_5"). Raises ModelLoadError for a
+    layer layout mlx-lm's model cannot express."""
     rope = config.get("rope_parameters")
     overrides: dict[str, Any] = {}
     if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
@@ -99,20 +105,31 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
                 overrides[key] = rope[key]
         if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
             overrides["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    period = _sliding_period(config.get("layer_types"))
+    period = _period(config.get("layer_types"), "sliding_attention")
     if period is not None and "sliding_window_pattern" not in config:
         overrides["sliding_window_pattern"] = period
+    if "linear_attention" in (config.get("layer_types") or []):
+        period = _period(config["layer_types"], "linear_attention")
+        if period is None:
+            raise ModelLoadError(
+                f"layer_types {config['layer_types']} is not 'every p-th layer full attention', "
+                "the only layout mlx-lm's Qwen3-Next / Qwen3.5 models build")
+        if "full_attention_interval" not in config:
+            overrides["full_attention_interval"] = period
+    model_type = config.get("model_type", "")
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        overrides["model_type"] = model_type.removesuffix("_text")
     return overrides
 
 
-def _sliding_period(layer_types: Any) -> int | None:
-    """p when every p-th layer is full attention and the others slide (Gemma 3's pattern)."""
-    if not isinstance(layer_types, list) or "sliding_attention" not in layer_types \
+def _period(layer_types: Any, other: str) -> int | None:
+    """p when every p-th layer is full attention and the others are `other` (Gemma 3's sliding
+    pattern, Qwen3-Next's linear one)."""
+    if not isinstance(layer_types, list) or other not in layer_types \
             or "full_attention" not in layer_types:
         return None
     p = layer_types.index("full_attention") + 1
-    pattern = ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
-               for i in range(len(layer_types))]
+    pattern = ["full_attention" if (i + 1) % p == 0 else other for i in range(len(layer_types))]
     return p if pattern == layer_types else None
 
 
@@ -141,24 +158,35 @@ def load_model(name: str | Path, dtype: str | mx.Dtype | None = None,
                                  "(no tensor-parallel support for this architecture)")
         model.shard(group)
     if dt is not None:
-        model.set_dtype(dt)
+        _cast(model, dt)
     for _, weight in tree_flatten(model.parameters()):
         mx.eval(weight)  # one tensor at a time: its stored copy is freed before the next is read
     return model, tokenizer
 
 
+def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Floating-point weights to `dtype`, except those the model keeps as they are (mlx-lm's
+    `cast_predicate`: e.g. Qwen3.5's A_log, kept in float32 by its converter)."""
+    keep = getattr(model, "cast_predicate", None)
+    if keep is None:
+        model.set_dtype(dtype)
+        return
+    model.update(tree_unflatten([
+        (name, w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) and keep(name) else w)
+        for name, w in tree_flatten(model.parameters())]))
+
+
 def _refuse_without_rollback(model: nn.Module, name: str | Path) -> None:
-    """ModelLoadError for an architecture whose caches cannot roll back a rejected draft (hybrid
-    linear-attention or state-space layers, e.g. Qwen3.5 / Qwen3-Next, Mamba): they would need
-    snapshots of their recurrent state, which the engine does not take."""
+    """ModelLoadError for an architecture whose caches cannot roll back a rejected draft: a
+    layer state other than attention's keys and values and the Gated DeltaNet / Mamba-2 states
+    that engine/recurrent.py replays (e.g. LFM2's short convolutions, Mamba-1, RWKV)."""
     try:
         make_cache(model)
     except ValueError as err:
         kind = getattr(getattr(model, "args", None), "model_type", None) or type(model).__name__
         raise ModelLoadError(
-            f"{str(name)!r} ({kind}) cannot be decoded speculatively: {err}. Rolling back a "
-            "rejected draft would need snapshots of that state, which tinydraft-mlx does not "
-            "take (a known limit); run this model with mlx-lm"
+            f"{str(name)!r} ({kind}) cannot be decoded speculatively: {err}; decode it plainly "
+            "with mlx-lm, or pick a model of those families"
         ) from None
 
 
@@ -191,10 +219,11 @@ def check_tokenizers(target_tokenizer: Any, draft_tokenizer: Any) -> None:
 
 def default_draft(target: str | Path | None) -> str | None:
     """The draft to use when none is named: the bundled demo draft for the demo target (None, or
-    its directory); for a Qwen2.5, Qwen3, Llama 3.x or Gemma 3 hub id, the family's small model
-    of the same publisher, variant and suffix (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B,
-    gemma-3-1b); for a local directory, that name as a sibling directory if one exists; else
-    None. Loading still refuses a draft whose tokenizer differs from the target's."""
+    its directory); for a Qwen2.5, Qwen3, Qwen3.5, Llama 3.x or Gemma 3 hub id, the family's
+    small model of the same publisher, variant and suffix (Qwen2.5-0.5B, Qwen3-0.6B,
+    Qwen3.5-0.8B, Llama-3.2-1B, gemma-3-1b); for a local directory, that name as a sibling
+    directory if one exists; else None. Loading still refuses a draft whose tokenizer differs
+    from the target's."""
     local = Path(target).expanduser() if target is not None else None
     exists = local is not None and local.exists()
     if local is None or (exists and local.resolve() == (DEMO_DIR / "target").resolve()):

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..engine.cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, make_cache, rollback
 from ..engine.drafters import draft_model
+from ..engine.recurrent import RecurrentCache
 
 FORMAT = "tinydraft-mlx prompt cache 1"
 MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1
@@ -49,11 +50,16 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def _trimmable_to(cache: Cache, keep: int) -> bool:
-    """Whether rolling `cache` back to `keep` tokens leaves it consistent."""
+    """Whether rolling `cache` back to `keep` tokens leaves it consistent: a wrapped bounded
+    layer goes back at most margin + 1 tokens, a recurrent layer only as far as its tape (its
+    state is a snapshot at its last token: a shorter prefix cannot be had from it)."""
     drop = cache_length(cache) - keep
-    layer = cache[0] if cache else None
-    if isinstance(layer, RollbackRotatingKVCache):
-        return drop <= layer.margin + 1 or layer.offset <= layer.slots
+    for layer in cache:
+        if isinstance(layer, RollbackRotatingKVCache):
+            if drop > layer.margin + 1 and layer.offset > layer.slots:
+                return False
+        elif isinstance(layer, RecurrentCache) and drop > layer.held():
+            return False
     return True
 
 
@@ -217,6 +223,9 @@ def _copy_cache(cache: Cache | None) -> Cache | None:
         return None
     layers = []
     for layer in cache:
+        if isinstance(layer, RecurrentCache):
+            layers.append(layer.copy())  # its arrays are replaced, never updated in place
+            continue
         clone = copy.copy(layer)
         if getattr(layer, "keys", None) is not None:
             clone.keys, clone.values = mx.array(layer.keys), mx.array(layer.values)
@@ -225,11 +234,18 @@ def _copy_cache(cache: Cache | None) -> Cache | None:
 
 
 def _layer_nbytes(layer: Any) -> int:
+    if isinstance(layer, RecurrentCache):
+        return layer.nbytes
     keys = getattr(layer, "keys", None)
     return 0 if keys is None else keys.nbytes + layer.values.nbytes
 
 
 def _save_layer(layer: Any, name: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
+    if isinstance(layer, RecurrentCache):
+        for i, state in enumerate(layer.cache):
+            if state is not None:
+                arrays[f"{name}.{i}"] = state
+        return {"kind": "recurrent", "offset": layer.offset}
     if isinstance(layer, RollbackRotatingKVCache):
         if layer.keys is not None:
             arrays[f"{name}.keys"], arrays[f"{name}.values"] = layer.keys, layer.values
@@ -244,6 +260,10 @@ def _save_layer(layer: Any, name: str, arrays: dict[str, mx.array]) -> dict[str,
 
 def _load_layer(layer: Any, info: dict[str, Any], arrays: dict[str, mx.array],
                 name: str) -> None:
+    if isinstance(layer, RecurrentCache):
+        layer.cache = [arrays.get(f"{name}.{i}") for i in range(len(layer.cache))]
+        layer.offset = info["offset"]
+        return
     keys, values = arrays.get(f"{name}.keys"), arrays.get(f"{name}.values")
     if keys is not None:
         layer.keys, layer.values = keys, values
