@@ -213,8 +213,9 @@ def build_family_pair(root: Path, family: str, seed: int | None = None) -> tuple
 
 
 # hybrid models: recurrent layers (Gated DeltaNet, Mamba-2) interleaved with full attention
-HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h")
-HYBRID_SEEDS = {"qwen3_next": 1, "qwen3_5": 3, "nemotron_h": 1}  # margins > 9e-3 on the paths
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+# seeds whose greedy paths on test_hybrid's prompts keep top-1/top-2 margins above 2e-3
+HYBRID_SEEDS = {"qwen3_next": 1, "qwen3_5": 3, "qwen3_5_moe": 1, "nemotron_h": 1}
 
 
 def _hybrid_config(family: str, layers: int, width: int, eos_id: int):
@@ -232,6 +233,10 @@ def _hybrid_config(family: str, layers: int, width: int, eos_id: int):
                                   moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if family == "qwen3_5":  # the text model of Qwen3.5 (dense MLPs), as transformers 5 writes it
         return tf.Qwen3_5TextConfig(**common, **gdn)
+    if family == "qwen3_5_moe":  # Qwen3.5's MoE text model (fused expert weights)
+        return tf.Qwen3_5MoeTextConfig(**common, **gdn, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=32)
     if family == "nemotron_h":  # Mamba-2 mixers and attention ("M*M-": the last an MLP)
         return tf.NemotronHConfig(**common, mamba_num_heads=4, mamba_head_dim=16,
                                   ssm_state_size=16, n_groups=2, mamba_d_conv=4, mamba_expand=1,
@@ -269,6 +274,19 @@ def build_hybrid_pair(root: Path, family: str, damp: float = 0.2) -> tuple[Path,
         getattr(draft.model, norm).load_state_dict(getattr(target.model, norm).state_dict())
         for i in range(2):
             draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
-    target.save_pretrained(target_dir)
-    draft.save_pretrained(draft_dir)
+    for model, directory in ((target, target_dir), (draft, draft_dir)):
+        if family == "qwen3_5_moe":  # fused experts, as the hub ships them (transformers 5
+            _save_fused(model, directory)  # saves one tensor per expert, which mlx-lm refuses)
+        else:
+            model.save_pretrained(directory)
     return target_dir, draft_dir
+
+
+def _save_fused(model, directory: Path) -> None:
+    """The model's tensors under their in-memory names (experts.gate_up_proj: (E, 2I, H), gate
+    first), and its config."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(directory)
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

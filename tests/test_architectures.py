@@ -6,7 +6,8 @@ pair is built at test time with transformers 5 (tests/fixtures.py) and loaded th
 for k in {1, 3, 6}, on paths with clear top-1/top-2 margins. Qwen3, Llama and Mistral run the
 compiled decode forward (checked: it traced); Gemma 3's sliding-window layers (window 8, shorter
 than every sequence here) keep bounded caches that must roll back after they wrap, and a control
-shows that mlx-lm's own rotating cache, which cannot, gives a wrong output on the same path.
+shows that mlx-lm's own rotating cache, which cannot, gives a wrong output on the same path; they
+also share batches (each row in its window's ring) and the server's batches.
 One family (Llama) is also checked sampled: the joint of its first two tokens against the oracle.
 Hybrid models with recurrent layers are checked in tests/test_hybrid.py.
 """
@@ -114,17 +115,27 @@ def test_gemma3_sliding_layers_roll_back_after_they_wrap(families, references, m
     assert np.abs(theirs - expected).max() > 1e-2
 
 
-def test_gemma3_is_decoded_one_at_a_time_and_refuses_bounds(families):
-    """Sliding-window layers cannot share a batch's caches: the decoder holds one sequence at a
-    time (a second is refused) and bounded caches are refused."""
+def test_gemma3_batches_with_its_sliding_layers(families, references):
+    """Sliding-window layers share a batch (each row in its window's ring): a batch of three
+    (two oracle prompts whose windows wrap, and a short one ending early) equals the oracle and
+    the short prompt alone; bounded caches bound the full-attention layers only."""
     target, draft, tok = families["gemma3"][2]
+    (a, ref_a), (b, ref_b) = references["gemma3"]
     decoder = BatchDecoder(target, draft)
-    assert decoder.single
-    decoder.insert(tok.encode("x = 1"), draft="model", k=2, max_tokens=4)
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        decoder.insert(tok.encode("y = 2"), draft="model", k=2, max_tokens=4)
-    with pytest.raises(ValueError, match="max_kv_size needs a model made of standard attention"):
-        make_cache(target, max_kv_size=64)
+    assert not decoder.single
+    kinds = cache_module.layer_kinds(target)
+    assert kinds.count(("window", GEMMA_WINDOW, 0)) == 5 and kinds.count("kv") == 1
+    short = tok.encode("x = 1")
+    alone = generate(target, draft, tok, short, k=3, max_tokens=9)[0]
+    for k in (1, 3, 6):
+        outs = batch_generate(target, draft, tok, [a, short, b], k=k,
+                              max_tokens=[NEW_TOKENS, 9, NEW_TOKENS])
+        assert [o[0] for o in outs] == [ref_a, alone, ref_b], k
+    bounded = batch_generate(target, draft, tok, [a, b], k=3, max_tokens=NEW_TOKENS,
+                             max_kv_size=256)
+    assert [o[0] for o in bounded] == [ref_a, ref_b]
+    with pytest.raises(ValueError, match="k must be at most max_k"):
+        BatchDecoder(target, draft, max_k=4).insert(a, draft="model", k=6)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -161,10 +172,9 @@ def test_llama_sampled_first_two_tokens_follow_the_oracle(families):
                               prompt_cache=cache, **warp_kw), 2000, exact, wrong)
 
 
-def test_gemma3_prompt_cache_reuse_and_the_server_runs_it_one_at_a_time(families, references,
-                                                                        capsys):
-    """A prompt cache over mixed layers (full and sliding) is reused exactly; the server, whose
-    batches hold standard layers only, says so and serves such a model one request at a time."""
+def test_gemma3_prompt_cache_reuse_and_the_server_batches_it(families, references, capsys):
+    """A prompt cache over mixed layers (full and sliding) is reused exactly, one sequence and
+    in a batch (its rings relaid into the batch's margin); the server batches such a model."""
     from tinydraft_mlx import server
 
     target_dir, draft_dir, (target, draft, tok) = families["gemma3"]
@@ -180,5 +190,11 @@ def test_gemma3_prompt_cache_reuse_and_the_server_runs_it_one_at_a_time(families
     args = server.setup_arg_parser().parse_args(
         ["--target", str(target_dir), "--draft", str(draft_dir), "--max-batch", "8"])
     app = server.build_app(args)
-    assert app.state.service.worker.max_batch == 1
-    assert "sliding-window layers" in capsys.readouterr().err
+    assert app.state.service.worker.max_batch == 8
+    assert "one at a time" not in capsys.readouterr().err
+    pc = PromptCache(target, draft)
+    generate(target, draft, tok, ids, k=3, max_tokens=NEW_TOKENS, prompt_cache=pc)
+    outs = batch_generate(target, draft, tok, [ids, other], k=3, max_tokens=NEW_TOKENS,
+                          prompt_cache=[pc, None])
+    assert [o[0] for o in outs] == [ref, other_ref]
+    assert outs[0][1].cached_tokens == len(ids) - 1

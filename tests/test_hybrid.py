@@ -1,5 +1,6 @@
-"""Hybrid models: recurrent layers (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Nemotron-H)
-beside full attention, decoded speculatively and exactly, one sequence and in batches.
+"""Hybrid models: recurrent layers (Gated DeltaNet: Qwen3-Next, Qwen3.5 dense and MoE; Mamba-2:
+Nemotron-H) beside full attention, decoded speculatively and exactly, one sequence and in
+batches.
 
 Tiny checkpoints are built at test time with transformers 5 (tests/fixtures.py: a 4-layer
 target, recurrent / attention / recurrent / attention (Nemotron-H: Mamba-2, attention, Mamba-2,
@@ -29,6 +30,7 @@ from tests.fixtures import HYBRIDS, build_hybrid_pair, build_tokenizer
 from tests.reference import chi2_statistic, chi2_threshold, warp_np
 from tinydraft_mlx import (
     BatchDecoder,
+    Hybrid,
     PromptCache,
     SamplingParams,
     batch_generate,
@@ -116,8 +118,8 @@ def test_a_dense_draft_drafts_for_a_hybrid_target(hybrids, pair):
 
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_batches_equal_the_oracle(hybrids, family):
-    """B = 3 and B = 8: ragged prompts, rows finishing early, the draft model, prompt lookup and
-    no draft side by side; every row is the oracle's."""
+    """B = 3 and B = 8: ragged prompts, rows finishing early, the draft model, prompt lookup,
+    hybrid drafting and no draft side by side; every row is the oracle's."""
     _, (target, draft, tok), refs, _ = hybrids[family]
     prompts = [ids for ids, _ in refs]
     limits = [NEW, NEW, 9, NEW, 5, NEW]
@@ -129,7 +131,7 @@ def test_batches_equal_the_oracle(hybrids, family):
     uids = []
     for i in range(8):
         ids, _ = refs[i % len(refs)]
-        kind = ["model", "prompt-lookup", None][i % 3]
+        kind = ["model", "prompt-lookup", None, Hybrid(draft)][i % 4]
         uids.append(decoder.insert(ids, draft=kind, k=[2, 4, "auto"][i % 3],
                                    max_tokens=[NEW, 11, NEW, 7][i % 4]))
     out = {uid: [] for uid in uids}
@@ -300,14 +302,37 @@ def test_bounded_attention_beside_recurrent_layers(hybrids):
 
 
 def test_the_server_batches_hybrid_models(hybrids):
+    """Nemotron-H served with batches of 8: concurrent greedy requests (the draft model, prompt
+    lookup, none) each return the oracle's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_server import Served
     from tinydraft_mlx import server
 
-    target_dir = hybrids["nemotron_h"][0]
+    target_dir, _, refs, _ = hybrids["nemotron_h"]
     args = server.setup_arg_parser().parse_args(
         ["--target", str(target_dir), "--draft", str(target_dir.parent / "draft"),
-         "--max-batch", "8"])
+         "--max-batch", "8", "--model-name", "m"])
     app = server.build_app(args)
     assert app.state.service.worker.max_batch == 8
+    served = Served(app)
+    try:
+        client = served.client()
+
+        def ask(i: int) -> list[int]:
+            ids, _ = refs[i % len(refs)]
+            r = client.completions.create(
+                model="m", prompt=ids, max_tokens=12, temperature=0.0,
+                extra_body={"draft": ["model", "prompt-lookup", "none"][i % 3],
+                            "num_draft_tokens": 3})
+            return r.choices[0].model_extra["tinydraft"]["token_ids"]
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, range(6)))
+        for i, tokens in enumerate(answers):
+            assert tokens == refs[i % len(refs)][1][:12], i
+    finally:
+        served.close()
 
 
 def test_a_state_no_one_rolls_back_is_refused_at_load(tmp_path):
@@ -337,3 +362,18 @@ def test_a_layer_layout_mlx_lm_cannot_build_is_refused():
         config_overrides({"model_type": "qwen3_next", "layer_types": types})
     assert config_overrides({"model_type": "qwen3_5_text", "layer_types": types[:2] * 2}) == {
         "full_attention_interval": 2, "model_type": "qwen3_5"}
+
+
+def test_the_check_tool_passes_a_hybrid_pair(hybrids, tmp_path, capsys):
+    """`python -m tinydraft_mlx.check` on a Qwen3.5 pair: its own forwards roll back (the cost
+    curve), greedy identity and the sampling check pass."""
+    import json
+
+    from tinydraft_mlx.programs.check import main
+
+    target_dir = hybrids["qwen3_5"][0]
+    report = tmp_path / "check.json"
+    assert main(["--target", str(target_dir), "--draft", str(target_dir.parent / "draft"),
+                 "--quick", "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["greedy_identical"] and "result: EXACT" in capsys.readouterr().out

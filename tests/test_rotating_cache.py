@@ -116,13 +116,17 @@ def test_window_too_small_for_k(pair):
     assert len(generate(target, draft, tok, PROMPT, k=4, max_kv_size=12, max_tokens=8)[0]) == 8
 
 
-def test_model_with_its_own_caches_is_refused_before_work():
-    """A model whose own caches are not plain KV caches (here a sliding-window layer) cannot be
-    bounded; one whose own caches are all plain (mlx-lm's Llama builds them) can."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+def test_bounds_apply_to_full_attention_and_other_caches_are_refused_before_work():
+    """max_kv_size bounds full-attention layers; a sliding-window layer keeps its own window (a
+    rollback-able ring of it); a cache of another kind (here a quantized one) is refused."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
     model = SimpleNamespace(make_cache=lambda: [KVCache(), RotatingKVCache(16)], layers=[0, 1])
-    with pytest.raises(ValueError, match="builds its own caches"):
-        make_cache(model, max_kv_size=64)
+    cache = make_cache(model, max_kv_size=64)
+    assert all(isinstance(c, RollbackRotatingKVCache) for c in cache)
+    assert [c.max_kv_size for c in cache] == [64, 16]
+    other = SimpleNamespace(make_cache=lambda: [KVCache(), QuantizedKVCache()], layers=[0, 1])
+    with pytest.raises(ValueError, match="caches of another kind"):
+        make_cache(other, max_kv_size=64)
     plain = SimpleNamespace(make_cache=lambda: [KVCache(), KVCache()], layers=[0, 1])
     assert len(make_cache(plain, max_kv_size=64)) == 2

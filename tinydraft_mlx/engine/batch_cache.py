@@ -19,11 +19,15 @@ Rows join from one-sequence caches (`add`, one copy of the batch for all joiners
 a one-sequence cache (a `PromptCache` out). Speaks enough of mlx-lm's cache protocol
 (`update_and_fetch`, `offset`, `make_mask`, `state`) for mlx-lm's attention to run on it.
 
+Layers of other kinds share the rows: a sliding-window layer (Gemma 3, gpt-oss) keeps each row in
+the slot layout of a `RollbackRotatingKVCache` of its window (a `Ring`), as bounded layers do,
+and a recurrent layer is a `RecurrentCache` of every row's state (recurrent.py). Each layer's
+mask is its own; mlx-lm's models build one mask per layer kind from a layer of that kind.
+
 `SingleCache` is the same rows interface for a batch of at most one sequence: it holds that
-sequence's own one-sequence cache as it is (any layer layout: sliding-window layers, a
-tensor-parallel model's; no copy on joining or leaving), and its forward is the one-sequence
-compiled step. The engine runs one sequence (`generate`) on it, and a batch whose models cannot
-share a `BatchCache`.
+sequence's own one-sequence cache as it is (any layer layout, a tensor-parallel model's; no copy
+on joining or leaving), and its forward is the one-sequence compiled step. The engine runs one
+sequence (`generate`) on it, and a batch whose models cannot share a `BatchCache`.
 """
 
 from __future__ import annotations
@@ -32,32 +36,84 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, reach, rollback
+from .cache import (
+    KEEP,
+    Cache,
+    RollbackRotatingKVCache,
+    cache_length,
+    reach,
+    ring_slots,
+    rollback,
+    slot_positions,
+)
 from .forward import forward, forward_batch
 from .recurrent import RecurrentCache
 
 STEP = 256  # unbounded buffers grow by this many slots
 
 
+class Ring:
+    """The slot layout of one bounded layer (as `RollbackRotatingKVCache`'s): `keep` sink slots,
+    then a ring of window + margin slots; each query sees the sinks and the latest `window`
+    positions up to its own."""
+
+    def __init__(self, max_kv_size: int, keep: int, margin: int) -> None:
+        self.max_kv_size, self.keep, self.margin = max_kv_size, keep, margin
+        self.window = max_kv_size - keep
+        self.ring = self.window + margin
+        self.slots = keep + self.ring
+
+    def slot_of(self, positions: mx.array) -> mx.array:
+        return ring_slots(positions, self.keep, self.ring)
+
+    def relayout(self, keys: mx.array, values: mx.array,
+                 length: int) -> tuple[mx.array, mx.array]:
+        """A one-sequence bounded cache's buffers of another margin (`keys.shape[2]` slots, the
+        same sinks and window) in this layout: each slot takes the position this layout gives
+        it, from where the other ring holds it (slots older than the window are never seen)."""
+        ring_from = keys.shape[2] - self.keep
+        positions = mx.maximum(slot_positions(length, self.keep, self.ring), 0)
+        source = ring_slots(positions, self.keep, ring_from)
+        return mx.take(keys, source, axis=2), mx.take(values, source, axis=2)
+
+    def mask(self, queries: mx.array, end: mx.array) -> mx.array:
+        """(B, 1, n, slots): row b's query at position queries[b, i] may see the slot
+        (positions [0, end[b]) written): a sink, or one of the latest `window` up to its own."""
+        slots = mx.arange(self.slots, dtype=mx.int32)[None]
+        last = end - 1 - self.keep
+        ring_pos = self.keep + last - mx.remainder(last - (slots - self.keep), self.ring)
+        held = mx.where(slots < self.keep, mx.where(slots < end, slots, -1),
+                        mx.where(ring_pos >= self.keep, ring_pos, -1))[:, None, :]  # (B, 1, S)
+        queries = queries[:, :, None]
+        recent = held > queries - self.window
+        return ((held >= 0) & (held <= queries) & ((held < self.keep) | recent))[:, None]
+
+
 class BatchCache:
     """Per-layer batch buffers and the length of each row. `layers`: the number of layers (all
-    attention) or each layer's kind (`cache.layer_kinds`: "kv", or "recurrent": a
-    `RecurrentCache` holding every row's state, rolled back per row by replay). `max_kv_size`
-    bounds every attention row as `make_cache(model, max_kv_size, margin)` bounds one sequence
-    (same slot layout, so rows move in and out by copying)."""
+    attention) or each layer's kind (`cache.layer_kinds`): "kv" (full attention), ("window", W,
+    keep) (sliding-window attention: a ring per row as `RollbackRotatingKVCache(W, keep)`), or
+    "recurrent" (a `RecurrentCache` holding every row's state, rolled back per row by replay).
+    `max_kv_size` bounds every full-attention row as `make_cache(model, max_kv_size, margin)`
+    bounds one sequence (same slot layout, so rows move in and out by copying); windowed layers
+    keep their own window."""
 
-    def __init__(self, layers: int | list[str], max_kv_size: int | None = None, keep: int = KEEP,
+    def __init__(self, layers: int | list, max_kv_size: int | None = None, keep: int = KEEP,
                  margin: int = 1) -> None:
         kinds = ["kv"] * layers if isinstance(layers, int) else layers
-        self.layers = [BatchLayer(self) if kind == "kv" else RecurrentCache(2, margin + 1)
-                       for kind in kinds]
+        self.layers: list = []
+        for kind in kinds:
+            if kind == "recurrent":
+                self.layers.append(RecurrentCache(2, margin + 1))
+            elif kind == "kv":
+                bound = Ring(max_kv_size, keep, margin) if max_kv_size is not None else None
+                self.layers.append(BatchLayer(self, bound))
+            else:
+                _, window, sinks = kind
+                self.layers.append(BatchLayer(self, Ring(window, sinks, margin)))
         self.kv = [layer for layer in self.layers if isinstance(layer, BatchLayer)]
         self.lengths: list[int] = []
         self.max_kv_size, self.keep, self.margin = max_kv_size, keep, margin
-        if max_kv_size is not None:
-            self.window = max_kv_size - keep
-            self.ring = self.window + margin
-            self.slots = keep + self.ring
         self._offsets: mx.array | None = None
 
     def __len__(self) -> int:
@@ -65,7 +121,8 @@ class BatchCache:
 
     @property
     def bounded(self) -> bool:
-        return self.max_kv_size is not None
+        """Whether a layer is bounded (a forward then writes at most margin + 1 tokens)."""
+        return any(layer.bound is not None for layer in self.kv)
 
     def forward(self, model: nn.Module, tokens: mx.array) -> mx.array:
         """(B, L) ids -> (B, L, V) logits, each row at its own offset; every row advances by L
@@ -84,7 +141,8 @@ class BatchCache:
 
     # -- a forward ---------------------------------------------------------------------------
     def capacity(self) -> int:
-        layer = self.kv[0] if self.kv else None
+        """Slots of the growing (unbounded) layers' buffers."""
+        layer = next((layer for layer in self.kv if layer.bound is None), None)
         return 0 if layer is None or layer.keys is None else layer.keys.shape[2]
 
     def arrays(self) -> list[mx.array]:
@@ -99,18 +157,17 @@ class BatchCache:
         """Room for n more tokens in every row (unbounded: the buffers grow to `size`, or to the
         next multiple of STEP). Bounded rows take at most margin + 1 tokens per forward (the
         longest write that cannot overwrite a slot one of its queries needs)."""
-        if self.bounded:
-            if n > self.margin + 1:
-                raise ValueError(f"a bounded batch takes at most margin + 1 = {self.margin + 1} "
-                                 f"tokens per forward (got {n})")
-            return
+        if self.bounded and n > self.margin + 1:
+            raise ValueError(f"a bounded batch takes at most margin + 1 = {self.margin + 1} "
+                             f"tokens per forward (got {n})")
         need = max(self.lengths, default=0) + n
         if size is None:
             if need <= self.capacity():
                 return
             size = -(-need // STEP) * STEP
         for layer in self.kv:
-            layer.resize(size)
+            if layer.bound is None:
+                layer.resize(size)
 
     def advance(self, n: int) -> None:
         """After a forward of n tokens per row."""
@@ -120,39 +177,20 @@ class BatchCache:
         """(B, n) absolute positions of the next n tokens of each row."""
         return self.offsets()[:, None] + mx.arange(n, dtype=mx.int32)[None]
 
-    def slot_of(self, positions: mx.array) -> mx.array:
-        if not self.bounded:
-            return positions
-        ring = self.keep + mx.remainder(positions - self.keep, self.ring)
-        return mx.where(positions < self.keep, positions, ring)
-
     def read_length(self, n: int) -> int:
-        """How many slots attention reads during a forward of n tokens."""
-        return self.slots if self.bounded else max(self.lengths, default=0) + n
-
-    def make_mask(self, n: int) -> mx.array:
-        """(B, 1, n, slots read) True where row b's query i (at position length_b + i) may see
-        the slot: written, not after it, and (bounded) a sink or within the window."""
-        queries = self.positions(n)[:, :, None]  # (B, n, 1)
-        slots = mx.arange(self.read_length(n), dtype=mx.int32)
-        if not self.bounded:
-            return (slots[None, None] <= queries)[:, None]
-        end = self.offsets()[:, None] + n  # (B, 1): positions [0, end) written
-        last = end - 1 - self.keep
-        ring_pos = self.keep + last - mx.remainder(last - (slots[None] - self.keep), self.ring)
-        held = mx.where(slots[None] < self.keep, mx.where(slots[None] < end, slots[None], -1),
-                        mx.where(ring_pos >= self.keep, ring_pos, -1))[:, None, :]  # (B, 1, S)
-        recent = held > queries - self.window
-        return ((held >= 0) & (held <= queries) & ((held < self.keep) | recent))[:, None]
+        """How many slots an unbounded layer's attention reads during a forward of n tokens."""
+        return max(self.lengths, default=0) + n
 
     # -- rows --------------------------------------------------------------------------------
     def rollback(self, keep: list[int]) -> None:
         """Row b forgets everything after its first keep[b] tokens (O(1)). A bounded row that has
         wrapped can forget at most margin + 1 tokens (as one sequence's cache)."""
         lengths = []
+        slots = min((layer.bound.slots for layer in self.kv if layer.bound is not None),
+                    default=None)
         for length, k in zip(self.lengths, keep, strict=True):
             k = max(0, min(length, k))
-            if self.bounded and length - k > self.margin + 1 and length > self.slots:
+            if slots is not None and length - k > self.margin + 1 and length > slots:
                 raise ValueError(f"cannot roll back {length - k} tokens of a wrapped bounded row; "
                                  f"at most margin + 1 = {self.margin + 1}")
             lengths.append(k)
@@ -171,10 +209,8 @@ class BatchCache:
         """Append one row per one-sequence cache, holding what it holds (None or empty: an
         empty row): one copy of the batch for all of them."""
         lengths = [cache_length(c) if c else 0 for c in caches]
-        size = None
-        if not self.bounded:
-            need = max(lengths + self.lengths + [self.capacity()])
-            size = -(-need // STEP) * STEP if need else STEP
+        need = max(lengths + self.lengths + [self.capacity()])
+        size = -(-need // STEP) * STEP if need else STEP
         for i, layer in enumerate(self.layers):
             if isinstance(layer, RecurrentCache):
                 layer.add_rows([c[i] if c else None for c in caches], len(self.lengths))
@@ -202,12 +238,13 @@ class BatchCache:
             if isinstance(layer, RecurrentCache):
                 out.append(layer.row(index, length))
                 continue
-            if self.bounded:
-                solo = RollbackRotatingKVCache(self.max_kv_size, self.keep, self.margin)
+            bound = layer.bound
+            if bound is not None:
+                solo = RollbackRotatingKVCache(bound.max_kv_size, bound.keep, bound.margin)
             else:
                 solo = KVCache()
             if layer.keys is not None and length:
-                stop = self.slots if self.bounded else length
+                stop = bound.slots if bound is not None else length
                 solo.keys = mx.array(layer.keys[index : index + 1, :, :stop])
                 solo.values = mx.array(layer.values[index : index + 1, :, :stop])
                 solo.offset = length
@@ -218,8 +255,8 @@ class BatchCache:
 class BatchLayer:
     """One layer's buffers of a `BatchCache`, as mlx-lm's attention sees them."""
 
-    def __init__(self, batch: BatchCache) -> None:
-        self.batch = batch
+    def __init__(self, batch: BatchCache, bound: Ring | None = None) -> None:
+        self.batch, self.bound = batch, bound
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
 
@@ -230,18 +267,29 @@ class BatchLayer:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write each row's (B, heads, L, dim) keys/values at its own positions; return what
         attention reads (the slots `make_mask` describes)."""
-        batch, n = self.batch, keys.shape[2]
+        batch, bound, n = self.batch, self.bound, keys.shape[2]
         if self.keys is None:  # rows were all empty: buffers from the first keys seen
-            size = batch.slots if batch.bounded else -(-n // STEP) * STEP
+            size = bound.slots if bound is not None else -(-n // STEP) * STEP
             self._allocate(keys, values, keys.shape[0], size)
-        slots = batch.slot_of(batch.positions(n))[:, None, :, None]  # (B, 1, L, 1)
+        positions = batch.positions(n)
+        slots = positions if bound is None else bound.slot_of(positions)
+        slots = slots[:, None, :, None]  # (B, 1, L, 1)
         self.keys = mx.put_along_axis(self.keys, slots, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slots, values, axis=2)
+        if bound is not None:
+            return self.keys, self.values
         read = batch.read_length(n)
         return self.keys[..., :read, :], self.values[..., :read, :]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
-        return self.batch.make_mask(n)
+        """(B, 1, n, slots read) True where row b's query i (at position length_b + i) may see
+        the slot: written, not after it, and (bounded) a sink or within the window."""
+        batch = self.batch
+        queries = batch.positions(n)  # (B, n)
+        if self.bound is not None:
+            return self.bound.mask(queries, batch.offsets()[:, None] + n)
+        slots = mx.arange(batch.read_length(n), dtype=mx.int32)
+        return (slots[None, None] <= queries[:, :, None])[:, None]
 
     def is_trimmable(self) -> bool:
         return True
@@ -274,7 +322,7 @@ class BatchLayer:
         if template is None:
             return  # every row empty: buffers are made at the first forward
         first_v = next((v for _, v in rows if v is not None), self.values)
-        size = batch.slots if batch.bounded else size
+        size = self.bound.slots if self.bound is not None else size
         heads, dim, dtype = template.shape[1], template.shape[3], template.dtype
         v_heads, v_dim = first_v.shape[1], first_v.shape[3]
         old = len(batch.lengths)
@@ -289,7 +337,9 @@ class BatchLayer:
                 keys.append(mx.zeros((1, heads, size, dim), self.keys.dtype))
                 values.append(mx.zeros((1, v_heads, size, v_dim), self.values.dtype))
                 continue
-            take = size if batch.bounded else length
+            take = size if self.bound is not None else length
+            if self.bound is not None and k.shape[2] != self.bound.slots:
+                k, v = self.bound.relayout(k, v, length)
             pad = [(0, 0), (0, 0), (0, size - take), (0, 0)]
             keys.append(mx.pad(k[:1, :, :take], pad).astype(self.keys.dtype))
             values.append(mx.pad(v[:1, :, :take], pad).astype(self.values.dtype))

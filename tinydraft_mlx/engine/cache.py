@@ -29,9 +29,10 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None, margin: int = 1
     if max_kv_size is not None:
         if layer_kinds(model) is None:
             raise ValueError(
-                "max_kv_size needs a model made of standard attention layers (and recurrent "
-                "ones); this model builds its own caches (sliding-window layers)"
+                "max_kv_size needs a model made of attention layers (full or sliding-window) and "
+                "recurrent ones; this model builds caches of another kind"
             )
+        # full-attention layers are bounded; sliding-window ones keep their own window
         layers = [RollbackRotatingKVCache(max_kv_size, KEEP, margin) if type(c) is KVCache
                   else c for c in layers]
     cache = [recurrent_cache(_rollback_able(layer, margin), model, margin) for layer in layers]
@@ -45,20 +46,17 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None, margin: int = 1
     return cache
 
 
-def standard_layers(model: nn.Module) -> bool:
-    """Whether every layer of `model` keeps a plain, unbounded KV cache (no sliding window, no
-    recurrent state)."""
-    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
-
-
-def layer_kinds(model: nn.Module) -> list[str] | None:
-    """Each layer's kind, "kv" (a plain KV cache) or "recurrent" (a state recurrent.py rolls
-    back), where every layer is one of these: what a `BatchCache` and bounded caches are built
-    for; None otherwise (sliding-window layers)."""
-    kinds = []
+def layer_kinds(model: nn.Module) -> list | None:
+    """Each layer's kind: "kv" (a plain KV cache), ("window", W, keep) (sliding-window attention,
+    mlx-lm's `RotatingKVCache(W, keep)`) or "recurrent" (a state recurrent.py rolls back), where
+    every layer is one of these: what a `BatchCache` and bounded caches are built for; None
+    otherwise."""
+    kinds: list = []
     for layer in make_prompt_cache(model):
         if type(layer) is KVCache:
             kinds.append("kv")
+        elif type(layer) is RotatingKVCache:
+            kinds.append(("window", layer.max_size, layer.keep))
         elif type(layer) is ArraysCache and model_kind(model) is not None:
             kinds.append("recurrent")
         else:

@@ -28,8 +28,8 @@ keys of their own, split per round.
 
 Prefill of a joining sequence runs on one-sequence caches, `prefill_step` tokens per `step()` at
 most (a long prompt does not stall the live rows); the row joins when its prompt is in. Where the
-models cannot share a `BatchCache` (sliding-window layers, a tensor-parallel target), or one
-sequence is decoded, the batch is a `SingleCache`: at most one row, its own cache used as it is.
+models cannot share a `BatchCache` (a tensor-parallel target, a cache kind it does not hold), or
+one sequence is decoded, the batch is a `SingleCache`: at most one row, its own cache as it is.
 
 Knows nothing about text: token ids in, token ids out.
 """
@@ -140,7 +140,8 @@ def max_draft_length(source: Source, k: int | str) -> int:
 
 def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
     """Which model ("target" or "draft") cannot share a `BatchCache` with other sequences, or
-    None when both can (attention and recurrent layers only, one rank)."""
+    None when both can (full and sliding-window attention and recurrent layers only, one
+    rank)."""
     if ranks_of(target) is not None:
         return "target"
     for name, model in (("target", target), ("draft", draft)):
@@ -164,7 +165,11 @@ class BatchDecoder:
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         self.margin = max_k + 1
-        bounded = max_kv_size is not None and not self.single
+        # bounded and sliding-window rows, and recurrent ones, roll back at most margin + 1
+        # positions: k is at most max_k, and a batch's padded catch-up forwards are no longer
+        kinds = [kind for model in (target, draft) if model is not None
+                 for kind in layer_kinds(model) or ["other"]]
+        self.limited = max_kv_size is not None or any(kind != "kv" for kind in kinds)
 
         def rows(model: nn.Module) -> BatchCache | SingleCache:
             if self.single:
@@ -173,10 +178,7 @@ class BatchDecoder:
 
         self.target_cache = rows(target)
         self.width = vocab_width(target)
-        # a bounded row, and a recurrent one, roll back at most margin + 1 positions: the
-        # draft's padded catch-up forwards are no longer than that
-        recurrent = draft is not None and "recurrent" in (layer_kinds(draft) or [])
-        chunk = self.margin + 1 if bounded or recurrent else prefill_step
+        chunk = self.margin + 1 if self.limited and not self.single else prefill_step
         self.drafting = Drafting(draft, rows(draft) if draft is not None else None, chunk,
                                  self.width)
         self.rows: list[_Row] = []  # in the batch, in cache row order
@@ -225,14 +227,14 @@ class BatchDecoder:
         if not prompt:
             raise ParameterError("prompt", "at least one token", prompt)
         if self.single and len(self):
-            raise ValueError("this decoder holds one sequence at a time (single=True, or models "
-                             "with sliding-window layers or a tensor-parallel target)")
+            raise ValueError("this decoder holds one sequence at a time (single=True, or a "
+                             "tensor-parallel target, or layers a batch cannot hold)")
         source = resolve_drafter(draft, self.draft)
         self.drafting.check(source)
         k_cap = max_draft_length(source, k)
-        if k_cap > self.max_k and self.max_kv_size is not None:
-            raise ValueError(f"k must be at most max_k = {self.max_k} in a bounded batch "
-                             f"(got {k_cap})")
+        if k_cap > self.max_k and self.limited:
+            raise ValueError(f"k must be at most max_k = {self.max_k} with bounded, "
+                             f"sliding-window or recurrent layers (got {k_cap})")
         if target_cache is None:
             target_cache = make_cache(self.target, self.max_kv_size, self.margin)
         if source.model is not None and draft_cache is None:

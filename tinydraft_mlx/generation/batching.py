@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..engine.cache import cache_length
+from ..engine.cache import cache_length, layer_kinds
 from ..engine.forward import vocab_width
 from ..engine.lookup import PromptLookup
 from ..engine.rounds import BatchDecoder, Token
@@ -74,8 +74,8 @@ def batch_generate(
                              sorted(bounds, key=str))
     bound = bounds.pop()
     max_k = max(p.k_eff for p in plans)
-    if bound is not None and caches:
-        max_k = MARGIN - 1  # the row layout of a bounded prompt cache's caches
+    if caches and (bound is not None or any(kind != "kv" for kind in layer_kinds(target) or [])):
+        max_k = MARGIN - 1  # the row layout of a prompt cache's bounded and windowed layers
     decoder = BatchDecoder(target, _draft_model(plans),
                            max_kv_size=bound, max_k=max(1, max_k))
     with ExitStack() as held:

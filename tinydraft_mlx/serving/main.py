@@ -142,9 +142,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if model is not None and args.hybrid:
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch
-    if max_batch > 1 and unbatchable(target, model) is not None:
-        print("the model has sliding-window layers, which batches do not hold: requests run one "
-              "at a time (--max-batch 1)", file=sys.stderr)
+    if max_batch > 1 and (which := unbatchable(target, model)) is not None:
+        print(f"the {which} model's layers cannot share a batch (a tensor-parallel target, or "
+              "caches of a kind batches do not hold): requests run one at a time "
+              "(--max-batch 1)", file=sys.stderr)
         max_batch = 1
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
                     cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue,
