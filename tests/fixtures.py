@@ -290,3 +290,74 @@ def _save_fused(model, directory: Path) -> None:
     model.config.save_pretrained(directory)
     state = {name: t.contiguous() for name, t in model.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_gpt_oss_pair(root: Path, damp: float = 0.2) -> tuple[Path, Path, Path]:
+    """gpt-oss (alternating sliding-window and full attention, attention sinks, MoE with biases):
+    root/gpt_oss/oracle (the target as transformers 5 saves it, for the oracle), root/gpt_oss/
+    target and root/gpt_oss/draft (a copy of the target's first 2 layers) in the layout mlx-lm
+    loads (experts split into gate / up / down SwitchGLU weights: transformers 5 saves them in
+    its in-memory layout, (E, H, 2I) interleaved, which mlx-lm's converter does not read)."""
+    import torch
+    import transformers as tf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    base = root / "gpt_oss"
+    dirs = oracle_dir, target_dir, draft_dir = base / "oracle", base / "target", base / "draft"
+    for directory in dirs:
+        build_tokenizer(directory)
+    eos_id = AutoTokenizer.from_pretrained(oracle_dir).convert_tokens_to_ids(EOS)
+
+    def config(layers: int, width: int):
+        return tf.GptOssConfig(
+            vocab_size=width, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=GEMMA_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False,
+            eos_token_id=eos_id, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+    torch.manual_seed(0)
+    target = tf.AutoModelForCausalLM.from_config(config(4, TARGET_WIDTH)).eval()
+    draft = tf.AutoModelForCausalLM.from_config(config(2, VOCAB)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)
+        target.lm_head.weight[eos_id] = 0.0
+        for layer in target.model.layers[2:]:
+            for name, weight in layer.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj", "down_proj_bias")):
+                    weight.mul_(damp)
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
+        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+        for i in range(2):
+            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+    target.save_pretrained(oracle_dir)
+    for model, directory in ((target, target_dir), (draft, draft_dir)):
+        model.config.save_pretrained(directory)
+        save_file(_mlx_experts(model.state_dict()), str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return oracle_dir, target_dir, draft_dir
+
+
+def _mlx_experts(state: dict) -> dict:
+    """gpt-oss expert tensors as mlx-lm's model holds them: gate_up (E, H, 2I), interleaved
+    gate/up, -> gate_proj / up_proj (E, I, H); down (E, I, H) -> down_proj (E, H, I)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            out[stem + "gate_proj.weight"] = t[..., ::2].transpose(1, 2).contiguous()
+            out[stem + "up_proj.weight"] = t[..., 1::2].transpose(1, 2).contiguous()
+        elif name.endswith("experts.gate_up_proj_bias"):
+            stem = name.removesuffix("gate_up_proj_bias")
+            out[stem + "gate_proj.bias"] = t[..., ::2].contiguous()
+            out[stem + "up_proj.bias"] = t[..., 1::2].contiguous()
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = t.transpose(1, 2).contiguous()
+        elif name.endswith("experts.down_proj_bias"):
+            out[name.removesuffix("_bias") + ".bias"] = t.contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out

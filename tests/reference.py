@@ -81,6 +81,20 @@ def two_step_joint(logits_of, ids: list[int], **warp_kw) -> dict[tuple[int, int]
     return joint
 
 
+def drain_first_two(decoder, uids: list[int], counts, paths) -> None:
+    """Step a `BatchDecoder` until every sequence has finished; add each of `uids`' first two
+    tokens to `counts` and whether it accepted a draft to `paths` (Counters)."""
+    out, stats = {uid: [] for uid in uids}, {}
+    while len(decoder):
+        for uid, tokens in decoder.step().items():
+            if uid in out:
+                out[uid] += [t.id for t in tokens]
+                stats[uid] = tokens[-1].stats
+    for uid in uids:
+        counts[tuple(out[uid][:2])] += 1
+        paths["accepted" if stats[uid].accepted else "rejected"] += 1
+
+
 def check_first_two_tokens(run, n: int, exact: dict, wrong: dict) -> None:
     """Sample the first two tokens `n` times (`run(seed)` -> (tokens, stats) of a k=2
     generation) and assert: both the accept and the resample path occurred, the chi-square

@@ -7,7 +7,8 @@ for k in {1, 3, 6}, on paths with clear top-1/top-2 margins. Qwen3, Llama and Mi
 compiled decode forward (checked: it traced); Gemma 3's sliding-window layers (window 8, shorter
 than every sequence here) keep bounded caches that must roll back after they wrap, and a control
 shows that mlx-lm's own rotating cache, which cannot, gives a wrong output on the same path; they
-also share batches (each row in its window's ring) and the server's batches.
+also share batches (each row in its window's ring) and the server's batches, as gpt-oss's
+alternating layers do.
 One family (Llama) is also checked sampled: the joint of its first two tokens against the oracle.
 Hybrid models with recurrent layers are checked in tests/test_hybrid.py.
 """
@@ -16,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.fixtures import FAMILIES, GEMMA_WINDOW, build_family_pair
+from tests.fixtures import FAMILIES, GEMMA_WINDOW, build_family_pair, build_gpt_oss_pair
 from tests.reference import check_first_two_tokens, two_step_joint
 from tinydraft_mlx import PromptCache, batch_generate, generate, load_models
 from tinydraft_mlx.engine import cache as cache_module
@@ -136,6 +137,33 @@ def test_gemma3_batches_with_its_sliding_layers(families, references):
     assert [o[0] for o in bounded] == [ref_a, ref_b]
     with pytest.raises(ValueError, match="k must be at most max_k"):
         BatchDecoder(target, draft, max_k=4).insert(a, draft="model", k=6)
+
+
+def test_gpt_oss_batches_with_its_alternating_layers(tmp_path_factory):
+    """gpt-oss (sliding-window and full attention alternating, attention sinks, MoE): a batch of
+    three (two oracle prompts whose windows wrap, one ending early) with its 2-layer draft
+    equals the oracle for k in {1, 3, 6}, accepting some drafts and rejecting others."""
+    from tests.oracle import Oracle
+
+    oracle_dir, target_dir, draft_dir = build_gpt_oss_pair(tmp_path_factory.mktemp("gpt_oss"))
+    target, draft, tok = load_models(str(target_dir), str(draft_dir), dtype="float32")
+    assert not BatchDecoder(target, draft).single
+    oracle = Oracle(oracle_dir)
+    refs = []
+    for text in PROMPTS + ["x = 1"]:
+        ids = tok.encode(text)
+        ref, margin = oracle.greedy(ids, NEW_TOKENS)
+        assert margin > MIN_MARGIN
+        refs.append((ids, ref))
+    accepted = drafted = 0
+    for k in (1, 3, 6):
+        outs = batch_generate(target, draft, tok, [ids for ids, _ in refs], k=k,
+                              max_tokens=[NEW_TOKENS, NEW_TOKENS, 9])
+        assert [o for o, _ in outs] == [refs[0][1], refs[1][1], refs[2][1][:9]], k
+        accepted += sum(s.accepted for _, s in outs)
+        drafted += sum(s.drafted for _, s in outs)
+    assert 0 < accepted < drafted
+    mx.clear_cache()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

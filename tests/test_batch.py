@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, warp_np
 from tests.scripted import scripted
 from tests.test_api import PENALTIES, _reference_with_processors
 from tinydraft_mlx import (
@@ -304,15 +304,7 @@ def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle, s
                 s, kind, k = companions[(batch + j // 4) % len(companions)]
                 decoder.insert(tok.encode(TEXTS[j // 4]), draft=kind, k=k,
                                max_tokens=2 + j // 2, sampling=s)
-        out, stats = {uid: [] for uid in uids}, {}
-        while len(decoder):
-            for uid, tokens in decoder.step().items():
-                if uid in out:
-                    out[uid] += [t.id for t in tokens]
-                    stats[uid] = tokens[-1].stats
-        for uid in uids:
-            counts[tuple(out[uid][:2])] += 1
-            paths["accepted" if stats[uid].accepted else "rejected"] += 1
+        drain_first_two(decoder, uids, counts, paths)
     n = sum(counts.values())
     assert paths["accepted"] > 0 and paths["rejected"] > 0, paths  # both paths shape the pair
     stat, df = chi2_statistic(counts, joint, n)

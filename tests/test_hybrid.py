@@ -27,7 +27,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import HYBRIDS, build_hybrid_pair, build_tokenizer
-from tests.reference import chi2_statistic, chi2_threshold, warp_np
+from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, two_step_joint
 from tinydraft_mlx import (
     BatchDecoder,
     Hybrid,
@@ -216,16 +216,8 @@ def test_sampled_first_two_tokens_inside_mixed_batches(hybrids):
     joint; the joint without top-p must be rejected by the same samples."""
     _, (target, draft, tok), refs, oracle = hybrids["qwen3_5"]
     ids = refs[1][0]  # ten tokens in the first step's nucleus
-    joint, wrong = {}, {}
-    p1, w1 = (warp_np(oracle.logits(ids)[-1], **kw) for kw in
-              (dict(temperature=1.0, top_p=0.8), dict(temperature=1.0)))
-    for a in np.flatnonzero(w1 > 1e-6):
-        last = oracle.logits(ids + [int(a)])[-1]
-        p2, w2 = warp_np(last, temperature=1.0, top_p=0.8), warp_np(last, temperature=1.0)
-        for b in np.flatnonzero(w2):
-            wrong[(int(a), int(b))] = w1[a] * w2[b]
-            if p1[a] > 0 and p2[b] > 0:
-                joint[(int(a), int(b))] = p1[a] * p2[b]
+    joint = two_step_joint(oracle.logits, ids, temperature=1.0, top_p=0.8)
+    wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
     companions = [(SamplingParams(), "model", 3), (SamplingParams(0.7, seed=5), "model", 2),
                   (SamplingParams(0.9), "prompt-lookup", 2)]
     counts, paths = Counter(), Counter()
@@ -239,15 +231,7 @@ def test_sampled_first_two_tokens_inside_mixed_batches(hybrids):
                 s, kind, k = companions[(batch + j // 16) % 3]
                 decoder.insert(refs[2 + j // 16][0], draft=kind, k=k, max_tokens=4 + j // 8,
                                sampling=s)
-        out, stats = {uid: [] for uid in uids}, {}
-        while len(decoder):
-            for uid, tokens in decoder.step().items():
-                if uid in out:
-                    out[uid] += [t.id for t in tokens]
-                    stats[uid] = tokens[-1].stats
-        for uid in uids:
-            counts[tuple(out[uid][:2])] += 1
-            paths["accepted" if stats[uid].accepted else "rejected"] += 1
+        drain_first_two(decoder, uids, counts, paths)
     n = sum(counts.values())
     assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
     stat, df = chi2_statistic(counts, joint, n)

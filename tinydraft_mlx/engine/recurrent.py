@@ -55,10 +55,11 @@ RECURRENCES = {
     "qwen3_5_moe": "gdn",
     "nemotron_h": "ssd",
 }
-# per recurrence: the arguments that run along the time axis (axis 1), and the start state's name
+# per recurrence: the arguments of its function that run along the time axis (axis 1)
 _TIMED = {"gdn": ("q", "k", "v", "g", "beta", "mask"),
           "ssd": ("x", "hidden_states", "B", "C", "dt", "mask")}
-_STATE_ARG = "state"
+_STATE_ARG = "state"  # the start state's argument, in both
+_PREPARED = "_tinydraft_mixers"  # per model: how many mixers `prepare` made observable
 
 _local = threading.local()  # .cache: the RecurrentCache whose mixer is running on this thread
 
@@ -76,8 +77,11 @@ def model_kind(model: nn.Module) -> str | None:
 
 
 def prepare(model: nn.Module) -> int:
-    """Make the model's recurrent layers observable (idempotent): each module with a `conv1d`
-    child becomes a recording mixer. Returns how many mixers the model has."""
+    """Make the model's recurrent layers observable (idempotent, once per model): each module
+    with a `conv1d` child becomes a recording mixer. Returns how many mixers the model has."""
+    done = model.__dict__.get(_PREPARED)
+    if done is not None:
+        return done
     _install()
     mixers = 0
     for _, module in model.named_modules():
@@ -88,6 +92,7 @@ def prepare(model: nn.Module) -> int:
             conv.__class__ = _TapedConv1d
         module.__class__ = _mixer_class(type(module))
         mixers += 1
+    model.__dict__[_PREPARED] = mixers
     return mixers
 
 
