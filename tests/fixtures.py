@@ -260,26 +260,37 @@ def build_hybrid_pair(root: Path, family: str, damp: float = 0.2) -> tuple[Path,
     draft = AutoModelForCausalLM.from_config(_hybrid_config(family, 2, VOCAB, eos_id))
     target.eval()
     draft.eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(2.0)
-        target.lm_head.weight[eos_id] = 0.0
-        for layer in target.model.layers[2:]:
-            for name, weight in layer.named_parameters():
-                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                    weight.mul_(damp)
-        embed = "embeddings" if family == "nemotron_h" else "embed_tokens"
-        norm = "norm_f" if family == "nemotron_h" else "norm"
-        getattr(draft.model, embed).weight.copy_(getattr(target.model, embed).weight[:VOCAB])
-        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
-        getattr(draft.model, norm).load_state_dict(getattr(target.model, norm).state_dict())
-        for i in range(2):
-            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+    nemotron = family == "nemotron_h"
+    _copy_pair(target, draft, eos_id, damp, ("o_proj.weight", "out_proj.weight",
+                                             "down_proj.weight"),
+               "embeddings" if nemotron else "embed_tokens", "norm_f" if nemotron else "norm")
     for model, directory in ((target, target_dir), (draft, draft_dir)):
         if family == "qwen3_5_moe":  # fused experts, as the hub ships them (transformers 5
             _save_fused(model, directory)  # saves one tensor per expert, which mlx-lm refuses)
         else:
             model.save_pretrained(directory)
     return target_dir, draft_dir
+
+
+def _copy_pair(target, draft, eos_id: int, damp: float, damped: tuple[str, ...],
+               embed: str = "embed_tokens", norm: str = "norm") -> None:
+    """Sharpen the target's head (EOS never wins greedily), damp its layers past the second (the
+    parameters whose names end in `damped`), and make the draft a copy of its embedding, head,
+    final norm and first 2 layers."""
+    import torch
+
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)
+        target.lm_head.weight[eos_id] = 0.0
+        for layer in target.model.layers[2:]:
+            for name, weight in layer.named_parameters():
+                if name.endswith(damped):
+                    weight.mul_(damp)
+        getattr(draft.model, embed).weight.copy_(getattr(target.model, embed).weight[:VOCAB])
+        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
+        getattr(draft.model, norm).load_state_dict(getattr(target.model, norm).state_dict())
+        for i in range(2):
+            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
 
 
 def _save_fused(model, directory: Path) -> None:
@@ -321,18 +332,7 @@ def build_gpt_oss_pair(root: Path, damp: float = 0.2) -> tuple[Path, Path, Path]
     torch.manual_seed(0)
     target = tf.AutoModelForCausalLM.from_config(config(4, TARGET_WIDTH)).eval()
     draft = tf.AutoModelForCausalLM.from_config(config(2, VOCAB)).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(2.0)
-        target.lm_head.weight[eos_id] = 0.0
-        for layer in target.model.layers[2:]:
-            for name, weight in layer.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj", "down_proj_bias")):
-                    weight.mul_(damp)
-        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
-        draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
-        draft.model.norm.load_state_dict(target.model.norm.state_dict())
-        for i in range(2):
-            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+    _copy_pair(target, draft, eos_id, damp, ("o_proj.weight", "down_proj", "down_proj_bias"))
     target.save_pretrained(oracle_dir)
     for model, directory in ((target, target_dir), (draft, draft_dir)):
         model.config.save_pretrained(directory)
