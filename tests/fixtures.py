@@ -213,9 +213,10 @@ def build_family_pair(root: Path, family: str, seed: int | None = None) -> tuple
 
 
 # hybrid models: recurrent layers (Gated DeltaNet, Mamba-2) interleaved with full attention
-HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "mamba2")
 # seeds whose greedy paths on test_hybrid's prompts keep top-1/top-2 margins above 2e-3
-HYBRID_SEEDS = {"qwen3_next": 1, "qwen3_5": 3, "qwen3_5_moe": 1, "nemotron_h": 1}
+HYBRID_SEEDS = {"qwen3_next": 1, "qwen3_5": 3, "qwen3_5_moe": 1, "nemotron_h": 1,
+                "granitemoehybrid": 0, "mamba2": 2}
 
 
 def _hybrid_config(family: str, layers: int, width: int, eos_id: int):
@@ -241,6 +242,19 @@ def _hybrid_config(family: str, layers: int, width: int, eos_id: int):
         return tf.NemotronHConfig(**common, mamba_num_heads=4, mamba_head_dim=16,
                                   ssm_state_size=16, n_groups=2, mamba_d_conv=4, mamba_expand=1,
                                   hybrid_override_pattern="M*M-"[:layers])
+    if family == "granitemoehybrid":  # Granite 4: Mamba-2 (one group) and
+        # attention, a shared MLP (mlx-lm and transformers disagree for mamba_n_groups > 1)
+        return tf.GraniteMoeHybridConfig(
+            **common, layer_types=["mamba", "attention", "mamba", "attention"][:layers],
+            mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+            mamba_expand=1, mamba_d_conv=4, num_local_experts=0, shared_intermediate_size=128,
+            position_embedding_type="rope", rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 10000.0})
+    if family == "mamba2":  # Mamba-2 only, no attention layer (one group: as Granite's)
+        return tf.Mamba2Config(vocab_size=width, hidden_size=64, num_hidden_layers=layers,
+                               num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2,
+                               conv_kernel=4, initializer_range=0.2, tie_word_embeddings=False,
+                               eos_token_id=eos_id, bos_token_id=eos_id)
     raise ValueError(f"unknown hybrid family {family!r}")
 
 
@@ -260,10 +274,11 @@ def build_hybrid_pair(root: Path, family: str, damp: float = 0.2) -> tuple[Path,
     draft = AutoModelForCausalLM.from_config(_hybrid_config(family, 2, VOCAB, eos_id))
     target.eval()
     draft.eval()
-    nemotron = family == "nemotron_h"
+    mamba = family in ("nemotron_h", "mamba2")  # Mamba-style names
     _copy_pair(target, draft, eos_id, damp, ("o_proj.weight", "out_proj.weight",
-                                             "down_proj.weight"),
-               "embeddings" if nemotron else "embed_tokens", "norm_f" if nemotron else "norm")
+                                             "down_proj.weight", "output_linear.weight"),
+               "embeddings" if mamba else "embed_tokens", "norm_f" if mamba else "norm",
+               "backbone" if family == "mamba2" else "model")
     for model, directory in ((target, target_dir), (draft, draft_dir)):
         if family == "qwen3_5_moe":  # fused experts, as the hub ships them (transformers 5
             _save_fused(model, directory)  # saves one tensor per expert, which mlx-lm refuses)
@@ -273,24 +288,25 @@ def build_hybrid_pair(root: Path, family: str, damp: float = 0.2) -> tuple[Path,
 
 
 def _copy_pair(target, draft, eos_id: int, damp: float, damped: tuple[str, ...],
-               embed: str = "embed_tokens", norm: str = "norm") -> None:
+               embed: str = "embed_tokens", norm: str = "norm", body: str = "model") -> None:
     """Sharpen the target's head (EOS never wins greedily), damp its layers past the second (the
     parameters whose names end in `damped`), and make the draft a copy of its embedding, head,
-    final norm and first 2 layers."""
+    final norm and first 2 layers (`body`: the module holding them)."""
     import torch
 
+    t, d = getattr(target, body), getattr(draft, body)
     with torch.no_grad():
         target.lm_head.weight.mul_(2.0)
         target.lm_head.weight[eos_id] = 0.0
-        for layer in target.model.layers[2:]:
+        for layer in t.layers[2:]:
             for name, weight in layer.named_parameters():
                 if name.endswith(damped):
                     weight.mul_(damp)
-        getattr(draft.model, embed).weight.copy_(getattr(target.model, embed).weight[:VOCAB])
+        getattr(d, embed).weight.copy_(getattr(t, embed).weight[:VOCAB])
         draft.lm_head.weight.copy_(target.lm_head.weight[:VOCAB])
-        getattr(draft.model, norm).load_state_dict(getattr(target.model, norm).state_dict())
+        getattr(d, norm).load_state_dict(getattr(t, norm).state_dict())
         for i in range(2):
-            draft.model.layers[i].load_state_dict(target.model.layers[i].state_dict())
+            d.layers[i].load_state_dict(t.layers[i].state_dict())
 
 
 def _save_fused(model, directory: Path) -> None:

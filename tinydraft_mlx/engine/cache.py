@@ -41,7 +41,7 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None, margin: int = 1
         raise ValueError(
             f"speculative decoding needs caches that can roll back; this model's layers keep "
             f"{kinds}, a state tinydraft-mlx rolls back only for Gated DeltaNet and Mamba-2 "
-            "layers (Qwen3-Next, Qwen3.5, Nemotron-H)"
+            "layers (Qwen3-Next, Qwen3.5, Nemotron-H, Granite 4, Mamba-2)"
         )
     return cache
 

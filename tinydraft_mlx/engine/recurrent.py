@@ -1,5 +1,5 @@
 """Recurrent layers that roll back: Gated DeltaNet (Qwen3-Next, Qwen3.5) and Mamba-2
-(Nemotron-H), on mlx-lm's own layer code.
+(Nemotron-H, Granite 4, Mamba-2), on mlx-lm's own layer code.
 
 A recurrent layer keeps a state instead of keys and values: a short convolution's window (the
 last K - 1 inputs) and the recurrence's state (GDN: (heads, Dv, Dk); Mamba-2: (heads, head_dim,
@@ -54,6 +54,8 @@ RECURRENCES = {
     "qwen3_5": "gdn",
     "qwen3_5_moe": "gdn",
     "nemotron_h": "ssd",
+    "granitemoehybrid": "ssd",
+    "mamba2": "ssd",
 }
 # per recurrence: the arguments of its function that run along the time axis (axis 1)
 _TIMED = {"gdn": ("q", "k", "v", "g", "beta", "mask"),

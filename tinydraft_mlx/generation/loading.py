@@ -88,8 +88,10 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     base, and the sliding layers' as "rope_local_base_freq"), and the sliding-window period from
     "layer_types" (mlx-lm would otherwise take its default and silently misplace the layers); for
     hybrid linear-attention models (Qwen3-Next, Qwen3.5) the full-attention period from
-    "layer_types" (mlx-lm reads "full_attention_interval") and a text-only Qwen3.5 checkpoint's
-    model type ("qwen3_5_text") as mlx-lm's model of it ("qwen3_5"). Raises ModelLoadError for a
+    "layer_types" (mlx-lm reads "full_attention_interval"), Granite 4's layer names in it
+    (mlx-lm reads "mamba" / "attention"), Mamba-2's inner width (expand x hidden) and a
+    text-only Qwen3.5 checkpoint's model type ("qwen3_5_text") as mlx-lm's model of it
+    ("qwen3_5"). Raises ModelLoadError for a
     layer layout mlx-lm's model cannot express."""
     rope = config.get("rope_parameters")
     overrides: dict[str, Any] = {}
@@ -108,7 +110,13 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     period = _period(config.get("layer_types"), "sliding_attention")
     if period is not None and "sliding_window_pattern" not in config:
         overrides["sliding_window_pattern"] = period
-    if "linear_attention" in (config.get("layer_types") or []):
+    model_type = config.get("model_type", "")
+    layer_types = config.get("layer_types") or []
+    if model_type == "granitemoehybrid" and "linear_attention" in layer_types:
+        # transformers 5's names for Granite 4's layers; mlx-lm reads its own
+        overrides["layer_types"] = [{"linear_attention": "mamba", "full_attention": "attention"}
+                                    .get(kind, kind) for kind in layer_types]
+    elif "linear_attention" in layer_types:
         period = _period(config["layer_types"], "linear_attention")
         if period is None:
             raise ModelLoadError(
@@ -116,7 +124,8 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
                 "the only layout mlx-lm's Qwen3-Next / Qwen3.5 models build")
         if "full_attention_interval" not in config:
             overrides["full_attention_interval"] = period
-    model_type = config.get("model_type", "")
+    if model_type == "mamba2" and "intermediate_size" not in config and "expand" in config:
+        overrides["intermediate_size"] = config["expand"] * config["hidden_size"]
     if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         overrides["model_type"] = model_type.removesuffix("_text")
     return overrides
