@@ -56,8 +56,8 @@ def worker(contender: str, size: int, temperature: float) -> dict:
         if contender == "mlx_lm":
             ids = [tok.encode(t) for t in texts]
             out = mlx_batch(target, tok, ids, max_tokens=MAX_TOKENS,
-                            sampler=make_sampler(temp=temperature))
-            return sum(len(tok.encode(t)) for t in out.texts), []
+                            sampler=make_sampler(temp=temperature), return_token_ids=True)
+            return sum(len(t) for t in out.token_ids), []  # the tokens it generated
         if contender == "single":
             results = [generate(target, draft, tok, t, k=3, max_tokens=MAX_TOKENS,
                                 temperature=temperature) for t in texts]
