@@ -377,3 +377,30 @@ def _mlx_experts(state: dict) -> dict:
         else:
             out[name] = t.contiguous()
     return out
+
+
+def build_gemma4(root: Path) -> Path:
+    """A Gemma 4 text target (sliding / sliding / full attention, twice; its last 2 layers share
+    the KV caches of earlier ones; per-layer input embeddings), as transformers 5 saves it."""
+    import torch
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    directory = root / "gemma4"
+    build_tokenizer(directory)
+    eos_id = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids(EOS)
+    config = tf.Gemma4TextConfig(
+        vocab_size=TARGET_WIDTH, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=GEMMA_WINDOW,
+        max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
+        vocab_size_per_layer_input=TARGET_WIDTH, hidden_size_per_layer_input=16,
+        num_kv_shared_layers=2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+        model.lm_head.weight[eos_id] = 0.0
+    model.save_pretrained(directory)
+    return directory

@@ -8,7 +8,7 @@ compiled decode forward (checked: it traced); Gemma 3's sliding-window layers (w
 than every sequence here) keep bounded caches that must roll back after they wrap, and a control
 shows that mlx-lm's own rotating cache, which cannot, gives a wrong output on the same path; they
 also share batches (each row in its window's ring) and the server's batches, as gpt-oss's
-alternating layers do.
+alternating layers and Gemma 4's shared-KV layers do.
 One family (Llama) is also checked sampled: the joint of its first two tokens against the oracle.
 Hybrid models with recurrent layers are checked in tests/test_hybrid.py.
 """
@@ -17,7 +17,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.fixtures import FAMILIES, GEMMA_WINDOW, build_family_pair, build_gpt_oss_pair
+from tests.fixtures import (
+    FAMILIES,
+    GEMMA_WINDOW,
+    build_family_pair,
+    build_gemma4,
+    build_gpt_oss_pair,
+)
 from tests.reference import check_first_two_tokens, two_step_joint
 from tinydraft_mlx import PromptCache, batch_generate, generate, load_models
 from tinydraft_mlx.engine import cache as cache_module
@@ -163,6 +169,30 @@ def test_gpt_oss_batches_with_its_alternating_layers(tmp_path_factory):
         accepted += sum(s.accepted for _, s in outs)
         drafted += sum(s.drafted for _, s in outs)
     assert 0 < accepted < drafted
+    mx.clear_cache()
+
+
+def test_gemma4_batches_with_its_shared_kv_layers(tmp_path_factory):
+    """Gemma 4 text (sliding and full layers, the last two sharing earlier layers' caches):
+    plain and prompt-lookup decoding, one sequence and a batch of three with ragged prompts,
+    equal the oracle."""
+    from tests.oracle import Oracle
+
+    directory = build_gemma4(tmp_path_factory.mktemp("gemma4"))
+    target, _, tok = load_models(str(directory), "none", dtype="float32")
+    assert not BatchDecoder(target).single
+    oracle = Oracle(directory)
+    refs = []
+    for text in PROMPTS + ["x = 1"]:
+        ids = tok.encode(text)
+        ref, margin = oracle.greedy(ids, NEW_TOKENS)
+        assert margin > MIN_MARGIN
+        refs.append((ids, ref))
+    assert generate(target, None, tok, refs[0][0], max_tokens=NEW_TOKENS)[0] == refs[0][1]
+    for draft in (None, "prompt-lookup"):
+        outs = batch_generate(target, draft, tok, [ids for ids, _ in refs], k=3,
+                              max_tokens=[NEW_TOKENS, 17, NEW_TOKENS])
+        assert [o for o, _ in outs] == [refs[0][1], refs[1][1][:17], refs[2][1]], draft
     mx.clear_cache()
 
 
