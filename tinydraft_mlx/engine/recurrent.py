@@ -20,11 +20,13 @@ position, against the projections' 2 d (2 Hk Dk + 2 Hv Dv) per position). Rows t
 the first position take the recorded start state as it is; fully accepted rows keep what the
 forward wrote. Rows of a batch are replayed in groups of equal n, each group one call.
 
-Segments (one per forward) are kept while a rollback may still reach them (`reach` positions
-back from the end, the rollback margin + 1); a longer forward (a prefill chunk) keeps nothing, and
-a forward after a rollback that cut rows at different points starts a new tape (the engine never
-rolls back past the start of the forward that followed its last rollback). A rollback beyond
-the tape raises ValueError, as a wrapped bounded KV cache does.
+Segments (one per forward) are kept while a rollback may still reach them: at most `reach`
+positions back from the end (the rollback margin + 1), and after a rollback only what one more
+position back needs (the engine's next rollback before a forward goes at most that far: a row
+leaving after a round queued ahead), so plain decoding holds one segment and a draft chain k. A
+longer forward (a prefill chunk) keeps nothing, and a forward after a rollback that cut rows at
+different points starts a new tape. A rollback beyond the tape raises ValueError (before any
+state changes), as a wrapped bounded KV cache does.
 
 How the pieces are observed: the layer that owns the convolution (a "mixer": GDN's
 `linear_attn`, Mamba-2's `mixer`) gets a subclass whose `__call__` marks the cache it was given
