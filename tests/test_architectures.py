@@ -145,22 +145,28 @@ def test_gemma3_batches_with_its_sliding_layers(families, references):
         BatchDecoder(target, draft, max_k=4).insert(a, draft="model", k=6)
 
 
-def test_gpt_oss_batches_with_its_alternating_layers(tmp_path_factory):
-    """gpt-oss (sliding-window and full attention alternating, attention sinks, MoE): a batch of
-    three (two oracle prompts whose windows wrap, one ending early) with its 2-layer draft
-    equals the oracle for k in {1, 3, 6}, accepting some drafts and rejecting others."""
+def _oracle_refs(directory, tok) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the oracle's greedy continuation) for PROMPTS and a short prompt, each with
+    clear margins on its path."""
     from tests.oracle import Oracle
 
-    oracle_dir, target_dir, draft_dir = build_gpt_oss_pair(tmp_path_factory.mktemp("gpt_oss"))
-    target, draft, tok = load_models(str(target_dir), str(draft_dir), dtype="float32")
-    assert not BatchDecoder(target, draft).single
-    oracle = Oracle(oracle_dir)
-    refs = []
+    oracle, refs = Oracle(directory), []
     for text in PROMPTS + ["x = 1"]:
         ids = tok.encode(text)
         ref, margin = oracle.greedy(ids, NEW_TOKENS)
         assert margin > MIN_MARGIN
         refs.append((ids, ref))
+    return refs
+
+
+def test_gpt_oss_batches_with_its_alternating_layers(tmp_path_factory):
+    """gpt-oss (sliding-window and full attention alternating, attention sinks, MoE): a batch of
+    three (two oracle prompts whose windows wrap, one ending early) with its 2-layer draft
+    equals the oracle for k in {1, 3, 6}, accepting some drafts and rejecting others."""
+    oracle_dir, target_dir, draft_dir = build_gpt_oss_pair(tmp_path_factory.mktemp("gpt_oss"))
+    target, draft, tok = load_models(str(target_dir), str(draft_dir), dtype="float32")
+    assert not BatchDecoder(target, draft).single
+    refs = _oracle_refs(oracle_dir, tok)
     accepted = drafted = 0
     for k in (1, 3, 6):
         outs = batch_generate(target, draft, tok, [ids for ids, _ in refs], k=k,
@@ -176,18 +182,10 @@ def test_gemma4_batches_with_its_shared_kv_layers(tmp_path_factory):
     """Gemma 4 text (sliding and full layers, the last two sharing earlier layers' caches):
     plain and prompt-lookup decoding, one sequence and a batch of three with ragged prompts,
     equal the oracle."""
-    from tests.oracle import Oracle
-
     directory = build_gemma4(tmp_path_factory.mktemp("gemma4"))
     target, _, tok = load_models(str(directory), "none", dtype="float32")
     assert not BatchDecoder(target).single
-    oracle = Oracle(directory)
-    refs = []
-    for text in PROMPTS + ["x = 1"]:
-        ids = tok.encode(text)
-        ref, margin = oracle.greedy(ids, NEW_TOKENS)
-        assert margin > MIN_MARGIN
-        refs.append((ids, ref))
+    refs = _oracle_refs(directory, tok)
     assert generate(target, None, tok, refs[0][0], max_tokens=NEW_TOKENS)[0] == refs[0][1]
     for draft in (None, "prompt-lookup"):
         outs = batch_generate(target, draft, tok, [ids for ids, _ in refs], k=3,
