@@ -23,6 +23,18 @@ class Oracle:
             out = self.model(self.torch.tensor([ids])).logits[0]
         return out.double().numpy()
 
+    def references(self, tok, texts: list[str], n: int, min_margin: float,
+                   label: str = "") -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, n greedy tokens) per text, each path's smallest top-1/top-2 gap asserted
+        above `min_margin` (where a greedy match between frameworks means something)."""
+        out = []
+        for text in texts:
+            ids = tok.encode(text)
+            ref, margin = self.greedy(ids, n)
+            assert margin > min_margin, f"{label}: near-tie on the path ({margin:.2e})"
+            out.append((ids, ref))
+        return out
+
     def greedy(self, prompt: list[int], n: int, eos: int | None = None) -> tuple[list[int], float]:
         """n greedy tokens (stopping after eos) and the smallest top-1/top-2 gap on the path."""
         ids, out, margin = list(prompt), [], np.inf

@@ -59,14 +59,9 @@ def references(families):
 
     refs = {}
     for family, (target_dir, _, (_, _, tok)) in families.items():
-        oracle = Oracle(target_dir)
-        refs[family] = []
-        for text in PROMPTS:
-            ids = tok.encode(text)
-            ref, margin = oracle.greedy(ids, NEW_TOKENS)
+        refs[family] = Oracle(target_dir).references(tok, PROMPTS, NEW_TOKENS, MIN_MARGIN, family)
+        for _, ref in refs[family]:
             assert len(set(ref)) >= 8, f"{family}: degenerate reference {ref}"
-            assert margin > MIN_MARGIN, f"{family}: near-tie on the path ({margin:.2e})"
-            refs[family].append((ids, ref))
     return refs
 
 
@@ -150,13 +145,7 @@ def _oracle_refs(directory, tok) -> list[tuple[list[int], list[int]]]:
     clear margins on its path."""
     from tests.oracle import Oracle
 
-    oracle, refs = Oracle(directory), []
-    for text in PROMPTS + ["x = 1"]:
-        ids = tok.encode(text)
-        ref, margin = oracle.greedy(ids, NEW_TOKENS)
-        assert margin > MIN_MARGIN
-        refs.append((ids, ref))
-    return refs
+    return Oracle(directory).references(tok, PROMPTS + ["x = 1"], NEW_TOKENS, MIN_MARGIN)
 
 
 def test_gpt_oss_batches_with_its_alternating_layers(tmp_path_factory):

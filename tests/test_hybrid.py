@@ -65,12 +65,7 @@ def hybrids(tmp_path_factory):
         target_dir, draft_dir = build_hybrid_pair(root, family)
         models = load_models(str(target_dir), str(draft_dir), dtype="float32")
         oracle = Oracle(target_dir)
-        refs = []
-        for text in PROMPTS + SHORT:
-            ids = models[2].encode(text)
-            ref, margin = oracle.greedy(ids, NEW)
-            assert margin > MIN_MARGIN, f"{family}: near-tie on the path ({margin:.2e})"
-            refs.append((ids, ref))
+        refs = oracle.references(models[2], PROMPTS + SHORT, NEW, MIN_MARGIN, family)
         out[family] = (target_dir, models, refs, oracle)
     return out
 

@@ -41,7 +41,7 @@ from .cache import (
     Cache,
     RollbackRotatingKVCache,
     cache_length,
-    reach,
+    reachable,
     ring_slots,
     rollback,
     slot_positions,
@@ -79,11 +79,7 @@ class Ring:
     def mask(self, queries: mx.array, end: mx.array) -> mx.array:
         """(B, 1, n, slots): row b's query at position queries[b, i] may see the slot
         (positions [0, end[b]) written): a sink, or one of the latest `window` up to its own."""
-        slots = mx.arange(self.slots, dtype=mx.int32)[None]
-        last = end - 1 - self.keep
-        ring_pos = self.keep + last - mx.remainder(last - (slots - self.keep), self.ring)
-        held = mx.where(slots < self.keep, mx.where(slots < end, slots, -1),
-                        mx.where(ring_pos >= self.keep, ring_pos, -1))[:, None, :]  # (B, 1, S)
+        held = slot_positions(end, self.keep, self.ring)[:, None, :]  # (B, 1, S)
         queries = queries[:, :, None]
         recent = held > queries - self.window
         return ((held >= 0) & (held <= queries) & ((held < self.keep) | recent))[:, None]
@@ -112,17 +108,17 @@ class BatchCache:
                 _, window, sinks = kind
                 self.layers.append(BatchLayer(self, Ring(window, sinks, margin)))
         self.kv = [layer for layer in self.layers if isinstance(layer, BatchLayer)]
+        rings = [layer.bound.slots for layer in self.kv if layer.bound is not None]
+        # bounded: a forward then writes at most margin + 1 tokens; a row that has wrapped its
+        # smallest ring can forget at most that many
+        self.bounded, self.ring_slots = bool(rings), min(rings, default=None)
+        self.recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentCache)]
         self.lengths: list[int] = []
-        self.max_kv_size, self.keep, self.margin = max_kv_size, keep, margin
+        self.margin = margin
         self._offsets: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
-
-    @property
-    def bounded(self) -> bool:
-        """Whether a layer is bounded (a forward then writes at most margin + 1 tokens)."""
-        return any(layer.bound is not None for layer in self.kv)
 
     def forward(self, model: nn.Module, tokens: mx.array) -> mx.array:
         """(B, L) ids -> (B, L, V) logits, each row at its own offset; every row advances by L
@@ -186,8 +182,7 @@ class BatchCache:
         """Row b forgets everything after its first keep[b] tokens (O(1)). A bounded row that has
         wrapped can forget at most margin + 1 tokens (as one sequence's cache)."""
         lengths = []
-        slots = min((layer.bound.slots for layer in self.kv if layer.bound is not None),
-                    default=None)
+        slots = self.ring_slots
         for length, k in zip(self.lengths, keep, strict=True):
             k = max(0, min(length, k))
             if slots is not None and length - k > self.margin + 1 and length > slots:
@@ -195,15 +190,14 @@ class BatchCache:
                                  f"at most margin + 1 = {self.margin + 1}")
             lengths.append(k)
         backs = [length - k for length, k in zip(self.lengths, lengths)]
-        for layer in self.layers:
-            if isinstance(layer, RecurrentCache):
-                layer.rollback_rows(backs)
+        for layer in self.recurrent:
+            layer.rollback_rows(backs)
         self._set(lengths)
 
-    def reach(self, index: int) -> int | None:
-        """How many tokens back row `index` can roll back where recurrent layers limit it."""
-        held = [layer.held(index) for layer in self.layers if isinstance(layer, RecurrentCache)]
-        return min(held) if held else None
+    def reachable(self, index: int, keep: int) -> bool:
+        """Whether row `index` can roll back to `keep` tokens (its recurrent layers' tape)."""
+        back = self.lengths[index] - keep
+        return all(back <= layer.held(index) for layer in self.recurrent)
 
     def add(self, caches: list[Cache | None]) -> None:
         """Append one row per one-sequence cache, holding what it holds (None or empty: an
@@ -383,8 +377,8 @@ class SingleCache:
         (n,) = keep
         rollback(self.cache, n)
 
-    def reach(self, index: int) -> int | None:
-        return reach(self.cache)
+    def reachable(self, index: int, keep: int) -> bool:
+        return reachable(self.cache, keep)
 
     def add(self, caches: list[Cache]) -> None:
         if self.cache is not None or len(caches) != 1:

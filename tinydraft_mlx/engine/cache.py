@@ -84,10 +84,10 @@ def rollback(cache: Cache, keep: int) -> None:
     if not cache:
         return
     keep = min(keep, min(layer.offset for layer in cache))
-    room = reach(cache)
-    if room is not None and cache_length(cache) - keep > room:
+    if not reachable(cache, keep):
         raise ValueError(f"cannot roll back {cache_length(cache) - keep} tokens of a recurrent "
-                         f"layer's state (it holds the inputs of its last {room} positions)")
+                         f"layer's state (it holds the inputs of its last {reach(cache)} "
+                         "positions)")
     for layer in cache:
         if layer.offset > keep or isinstance(layer, RecurrentCache):  # n = 0: its tape shrinks
             layer.trim(layer.offset - keep)
@@ -98,6 +98,12 @@ def reach(cache: Cache) -> int | None:
     None where it is not limited by them."""
     held = [layer.held() for layer in cache if isinstance(layer, RecurrentCache)]
     return min(held) if held else None
+
+
+def reachable(cache: Cache, keep: int) -> bool:
+    """Whether `rollback(cache, keep)` can go that far back (its recurrent layers' tape)."""
+    room = reach(cache)
+    return room is None or cache_length(cache) - keep <= room
 
 
 def slot_positions(end: int | mx.array, keep: int, ring: int) -> mx.array:

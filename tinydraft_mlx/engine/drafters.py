@@ -360,8 +360,8 @@ class Drafting:
         lengths = dict(zip(self.uids, self.caches.lengths))
         ends, lost = {}, set()
         for r in members:
-            end, room = min(lengths[r.uid], len(r.seq) - 1), self.caches.reach(index[r.uid])
-            if room is not None and lengths[r.uid] - end > room:  # recurrent: cannot go back
+            end = min(lengths[r.uid], len(r.seq) - 1)
+            if not self.caches.reachable(index[r.uid], end):  # recurrent: cannot go back
                 lost.add(r.uid)
                 end = lengths[r.uid]
             ends[r.uid] = end

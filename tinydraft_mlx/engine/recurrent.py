@@ -239,7 +239,7 @@ class RecurrentCache(ArraysCache):
     def _conv(self, x: mx.array, width: int) -> None:
         n = x.shape[1] - width
         self.offset += n
-        if n > self.reach or (self.cut is not None and any(self.cut)):
+        if n > self.reach or self.cut is not None:  # cut: None unless a row was cut
             self.tape = []
         self.cut = None
         seg = _Segment(n, x)

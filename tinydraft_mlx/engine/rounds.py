@@ -48,7 +48,7 @@ import mlx.nn as nn
 from .acceptance import verify
 from .backend import generation_stream
 from .batch_cache import BatchCache, SingleCache
-from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reach, rollback
+from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reachable, rollback
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
@@ -165,16 +165,16 @@ class BatchDecoder:
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         self.margin = max_k + 1
+        kinds = {id(m): layer_kinds(m) for m in (target, draft) if m is not None}
         # bounded and sliding-window rows, and recurrent ones, roll back at most margin + 1
         # positions: k is at most max_k, and a batch's padded catch-up forwards are no longer
-        kinds = [kind for model in (target, draft) if model is not None
-                 for kind in layer_kinds(model) or ["other"]]
-        self.limited = max_kv_size is not None or any(kind != "kv" for kind in kinds)
+        self.limited = max_kv_size is not None or any(
+            kind != "kv" for model_kinds in kinds.values() for kind in model_kinds or ["other"])
 
         def rows(model: nn.Module) -> BatchCache | SingleCache:
             if self.single:
                 return SingleCache()
-            return BatchCache(layer_kinds(model), max_kv_size, KEEP, self.margin)
+            return BatchCache(kinds[id(model)], max_kv_size, KEEP, self.margin)
 
         self.target_cache = rows(target)
         self.width = vocab_width(target)
@@ -268,7 +268,7 @@ class BatchDecoder:
                 done.tokens = done.tokens[:keep]
                 end = done.stats.prompt_tokens + keep - 1
                 caches = [c for c in (done.target_cache, done.draft_cache) if c is not None]
-                if all(reach(c) is None or reach(c) >= cache_length(c) - end for c in caches):
+                if all(reachable(c, end) for c in caches):
                     for cache in caches:
                         rollback(cache, end)
                 else:  # a recurrent state cannot go back that far: nothing is kept
@@ -304,8 +304,7 @@ class BatchDecoder:
         keep, lost = [], set()  # lost: recurrent rows that cannot go back that far (a stop cut)
         for i, (r, n) in enumerate(zip(self.rows, cache.lengths)):
             want = min(n, len(r.seq) - 1) if id(r) in leaving else n
-            room = cache.reach(i)
-            if room is not None and n - want > room:
+            if not cache.reachable(i, want):
                 lost.add(r.uid)
                 want = n
             keep.append(want)

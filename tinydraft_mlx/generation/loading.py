@@ -91,8 +91,7 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     "layer_types" (mlx-lm reads "full_attention_interval"), Granite 4's layer names in it
     (mlx-lm reads "mamba" / "attention"), Mamba-2's inner width (expand x hidden) and a
     text-only Qwen3.5 checkpoint's model type ("qwen3_5_text") as mlx-lm's model of it
-    ("qwen3_5"). Raises ModelLoadError for a
-    layer layout mlx-lm's model cannot express."""
+    ("qwen3_5"). Raises ModelLoadError for a layer layout mlx-lm's model cannot express."""
     rope = config.get("rope_parameters")
     overrides: dict[str, Any] = {}
     if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
@@ -117,10 +116,10 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
         overrides["layer_types"] = [{"linear_attention": "mamba", "full_attention": "attention"}
                                     .get(kind, kind) for kind in layer_types]
     elif "linear_attention" in layer_types:
-        period = _period(config["layer_types"], "linear_attention")
+        period = _period(layer_types, "linear_attention")
         if period is None:
             raise ModelLoadError(
-                f"layer_types {config['layer_types']} is not 'every p-th layer full attention', "
+                f"layer_types {layer_types} is not 'every p-th layer full attention', "
                 "the only layout mlx-lm's Qwen3-Next / Qwen3.5 models build")
         if "full_attention_interval" not in config:
             overrides["full_attention_interval"] = period

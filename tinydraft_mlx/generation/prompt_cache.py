@@ -24,7 +24,15 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from ..engine.cache import KEEP, Cache, RollbackRotatingKVCache, cache_length, make_cache, rollback
+from ..engine.cache import (
+    KEEP,
+    Cache,
+    RollbackRotatingKVCache,
+    cache_length,
+    make_cache,
+    reachable,
+    rollback,
+)
 from ..engine.drafters import draft_model
 from ..engine.recurrent import RecurrentCache
 
@@ -54,13 +62,9 @@ def _trimmable_to(cache: Cache, keep: int) -> bool:
     layer goes back at most margin + 1 tokens, a recurrent layer only as far as its tape (its
     state is a snapshot at its last token: a shorter prefix cannot be had from it)."""
     drop = cache_length(cache) - keep
-    for layer in cache:
-        if isinstance(layer, RollbackRotatingKVCache):
-            if drop > layer.margin + 1 and layer.offset > layer.slots:
-                return False
-        elif isinstance(layer, RecurrentCache) and drop > layer.held():
-            return False
-    return True
+    return reachable(cache, keep) and not any(
+        isinstance(layer, RollbackRotatingKVCache) and drop > layer.margin + 1
+        and layer.offset > layer.slots for layer in cache)
 
 
 class PromptCache:
