@@ -404,3 +404,78 @@ def build_gemma4(root: Path) -> Path:
         model.lm_head.weight[eos_id] = 0.0
     model.save_pretrained(directory)
     return directory
+
+
+# MTP layers (tests/test_mtp.py): the tensors a checkpoint ships beside the target's, under the
+# hub's names, built from the target's own attention layer so the layer agrees with it often
+MTP_FAMILIES = ("qwen3", "qwen3_next", "qwen3_5")
+ZERO_CENTRED = ("qwen3_next", "qwen3_5")  # RMSNorm weights stored as scale - 1
+FIRST_ATTENTION = {"qwen3": 0, "qwen3_next": 1, "qwen3_5": 1}  # the layer the head mimics
+
+
+def write_mtp(target_dir: Path, family: str, layout: str = "mtp", noise: float = 0.01,
+              hidden_mix: float = 0.02, into: str = "mtp.safetensors", seed: int = 0) -> dict:
+    """Write the MTP tensors of the target in `target_dir` and return them (name -> numpy):
+    layout "mtp" (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`: Qwen3-Next /
+    Qwen3.5) or "deepseek" (`model.layers.{N}.eh_proj / enorm / hnorm / shared_head.norm` and
+    the layer, plus copies of the embeddings and head), into `into` (a new file, or
+    "model.safetensors": inside the target's own, as the hub ships them). The head mimics the
+    target's first attention layer run on the next token's embedding (the target's other
+    layers are damped, `damp_layers`): the layer and final norm are the target's (with relative
+    `noise`), `fc` = [I | hidden_mix I] and the embedding's norm at the embeddings' scale."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((target_dir / "config.json").read_text())
+    n_layers, size = config["num_hidden_layers"], config["hidden_size"]
+    weights = load_file(str(target_dir / "model.safetensors"))
+    weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    first = FIRST_ATTENTION[family]
+    prefix = f"model.layers.{first}."
+    rng = np.random.default_rng(seed)
+
+    def noisy(v):
+        return (v * (1 + noise * rng.standard_normal(v.shape))).astype(v.dtype)
+
+    layer = {k[len(prefix):]: noisy(v) for k, v in weights.items() if k.startswith(prefix)}
+    zero = 1.0 if family in ZERO_CENTRED else 0.0  # stored = scale - zero ... as the model's
+    embed = weights["model.embed_tokens.weight"]
+    rms = float(np.sqrt(np.mean(embed ** 2)))
+    fc = np.concatenate([np.eye(size), hidden_mix * np.eye(size)], axis=1).astype(np.float32)
+    norms = {"pre_fc_norm_embedding": np.full(size, rms - zero, np.float32),
+             "pre_fc_norm_hidden": np.full(size, 1.0 - zero, np.float32),
+             "norm": noisy(weights["model.norm.weight"])}
+    if layout == "mtp":
+        out = {"mtp.fc.weight": noisy(fc), **{f"mtp.{k}.weight": v for k, v in norms.items()},
+               **{f"mtp.layers.0.{k}": v for k, v in layer.items()}}
+    else:
+        base = f"model.layers.{n_layers}."
+        names = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+                 "norm": "shared_head.norm"}
+        out = {base + "eh_proj.weight": noisy(fc),
+               **{base + names[k] + ".weight": v for k, v in norms.items()},
+               **{base + k: v for k, v in layer.items()},
+               base + "embed_tokens.weight": embed,
+               base + "shared_head.head.weight": weights["lm_head.weight"]}
+    if into == "model.safetensors":
+        save_file({**weights, **out}, str(target_dir / into), metadata={"format": "pt"})
+    else:
+        save_file(out, str(target_dir / into), metadata={"format": "pt"})
+    return out
+
+
+def damp_layers(directory: Path, damp: float, keep: int) -> None:
+    """Scale the writes to the residual stream (attention / recurrence outputs and MLP down
+    projections) of every layer but layer `keep` by `damp`, in place: the model leans on that
+    layer over its embeddings, which an MTP head can mimic (`write_mtp`)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = directory / "model.safetensors"
+    weights = load_file(str(path))
+    for name, value in weights.items():
+        if ".layers." in name and f".layers.{keep}." not in name and name.endswith(
+                ("o_proj.weight", "down_proj.weight", "out_proj.weight", "down_proj")):
+            weights[name] = (value * damp).astype(value.dtype)
+    save_file(weights, str(path), metadata={"format": "pt"})

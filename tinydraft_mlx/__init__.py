@@ -6,13 +6,14 @@ preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
 from .engine.drafters import Hybrid
 from .engine.lookup import PromptLookup
+from .engine.mtp import MtpHead
 from .engine.policy import DraftLengthPolicy
 from .engine.rounds import BatchDecoder, Finished, Token
 from .engine.sampling import ParameterError, SamplingParams, warp
 from .engine.stats import GenerationStats
 from .generation.api import generate, stream_generate
 from .generation.batching import batch_generate
-from .generation.loading import ModelLoadError, load_models
+from .generation.loading import ModelLoadError, load_head, load_models
 from .generation.options import Options, make_options
 from .generation.prompt_cache import PromptCache, PromptCacheError
 from .generation.text import GenerationResponse
@@ -30,11 +31,13 @@ __all__ = [
     "PromptLookup",
     "GenerationStats",
     "ModelLoadError",
+    "MtpHead",
     "Options",
     "ParameterError",
     "SamplingParams",
     "Token",
     "generate",
+    "load_head",
     "load_models",
     "make_options",
     "stream_generate",

@@ -32,6 +32,8 @@ sequence (`generate`) on it, and a batch whose models cannot share a `BatchCache
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
@@ -120,10 +122,11 @@ class BatchCache:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def forward(self, model: nn.Module, tokens: mx.array) -> mx.array:
+    def forward(self, model: nn.Module, tokens: mx.array, **inputs: Any) -> Any:
         """(B, L) ids -> (B, L, V) logits, each row at its own offset; every row advances by L
-        (rows with fewer real tokens are rolled back by the caller)."""
-        return forward_batch(model, tokens, self)
+        (rows with fewer real tokens are rolled back by the caller). `inputs`: more keyword
+        inputs of the model (an MTP head's hidden states)."""
+        return forward_batch(model, tokens, self, **inputs)
 
     def offsets(self) -> mx.array:
         """(B,) int32: each row's length, where its next token goes."""
@@ -369,9 +372,9 @@ class SingleCache:
     def layers(self) -> Cache:
         return self.cache or []
 
-    def forward(self, model: nn.Module, tokens: mx.array) -> mx.array:
+    def forward(self, model: nn.Module, tokens: mx.array, **inputs: Any) -> Any:
         """(1, L) ids -> (1, L, V) logits; the row advances by L."""
-        return forward(model, tokens, self.cache)
+        return forward(model, tokens, self.cache, **inputs)
 
     def rollback(self, keep: list[int]) -> None:
         (n,) = keep

@@ -1,15 +1,16 @@
 """Draft sources, batched by construction, and the one resolver that turns the user's `draft`
-argument into one: a draft model (a `PrunedDraft` is one too), prompt lookup, both (`Hybrid`:
-each round from whichever has recently given more tokens per second), or none.
+argument into one: a draft model (a `PrunedDraft` is one too), the target's own MTP layer
+(`MtpHead`, "mtp"), prompt lookup, both a model (or the MTP layer) and lookup (`Hybrid`: each
+round from whichever has recently given more tokens per second), or none.
 
-Two parts. A row's *source* (`NoDraft`, `LookupDraft`, `ModelDraft`, `HybridDraft`) is the
-per-sequence state: `host_proposal(k)` gives a proposal made on the host (prompt lookup's ids,
-possibly none) or None where the draft model should draft the row; `settle(keep)` ends a round
+Two parts. A row's *source* (`NoDraft`, `LookupDraft`, `ModelDraft`, `MtpDraft`, `HybridDraft`)
+is the per-sequence state: `host_proposal(k)` gives a proposal made on the host (prompt lookup's
+ids, possibly none) or None where its model should draft the row; `settle(keep)` ends a round
 (the first `keep` tokens of the sequence are accepted). `Drafting` is the batch's proposer: it
-owns the draft model's caches for every row whose source has the model, and per round makes
-every row's proposal, host ones first, then one batched chain of draft steps for the rest
-(`propose`), and rolls the draft rows back to what was accepted (`commit`). The engine only calls
-`Drafting`; it never asks what kind of source a row has.
+keeps one chain (chains.py) per drafting model (the draft model, the MTP head), and per round
+makes every row's proposal, host ones first, then one batched chain of draft steps per model
+that a row needs (`propose`), and rolls the chains' rows back to what was accepted (`commit`).
+The engine only calls `Drafting`; it never asks what kind of source a row has.
 
 Knows nothing about the round's acceptance, text or serving.
 """
@@ -17,27 +18,19 @@ Knows nothing about the round's acceptance, text or serving.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import seeded
-from .cache import Cache, cache_length
-from .forward import model_inputs, prefill
+from .cache import Cache
+from .chains import Chain, HeadChain, ModelChain
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
+from .mtp import MTP, MtpHead, head_of
 from .policy_store import fingerprint
-from .sampling import (
-    ParameterError,
-    Processor,
-    draw,
-    process_logits,
-    sample_rows,
-    sampling_groups,
-    warp,
-)
+from .sampling import ParameterError
 
 MODEL = "model"
 HYBRID = "hybrid"
@@ -89,6 +82,13 @@ class ModelDraft:
 
     def settle(self, keep: int) -> None:
         pass
+
+
+class MtpDraft(ModelDraft):
+    """The target's own MTP layer (mtp.py): drafted by the batch's head chain every round, from
+    the target's final states."""
+
+    name = MTP
 
 
 class LookupDraft:
@@ -203,11 +203,21 @@ class HybridDraft:
             self._source = None
 
 
-def resolve_drafter(draft: object, model: nn.Module | None = None) -> Source:
-    """The source for a `draft` argument: a model, "prompt-lookup" or a `PromptLookup`, a
-    `Hybrid`, None or "none" (plain decoding), or a source already resolved (returned as it
-    is); with a batch's draft `model`, also "model" and "hybrid" (that model, alone or with
-    prompt lookup). ParameterError for anything else."""
+def resolve_drafter(draft: object, model: nn.Module | None = None,
+                    target: nn.Module | None = None) -> Source:
+    """The source for a `draft` argument: a model, an `MtpHead`, "prompt-lookup" or a
+    `PromptLookup`, a `Hybrid`, None or "none" (plain decoding), or a source already resolved
+    (returned as it is); with a batch's draft `model`, also "model" and "hybrid" (that model,
+    alone or with prompt lookup); with a `target` whose MTP head is loaded (mtp.load_mtp), also
+    "mtp". ParameterError for anything else."""
+    if isinstance(draft, str) and draft.lower() == MTP:
+        head = head_of(target)
+        if head is None:
+            raise ParameterError("draft", '"mtp" with a target whose MTP layer is loaded '
+                                 '(load_models(draft="mtp"))', draft)
+        return MtpDraft(head)
+    if isinstance(draft, MtpHead):
+        return MtpDraft(draft)
     if isinstance(draft, str) and draft in (MODEL, HYBRID):
         if model is None:
             raise ParameterError("draft", f'not "{draft}" in a decoder without a draft model',
@@ -215,7 +225,7 @@ def resolve_drafter(draft: object, model: nn.Module | None = None) -> Source:
         return ModelDraft(model) if draft == MODEL else HybridDraft(Hybrid(model))
     if draft is None:
         return NoDraft()
-    if isinstance(draft, (NoDraft, ModelDraft, LookupDraft, HybridDraft)):
+    if isinstance(draft, (NoDraft, ModelDraft, MtpDraft, LookupDraft, HybridDraft)):
         return draft
     if isinstance(draft, PromptLookup):
         return LookupDraft(draft)
@@ -242,21 +252,6 @@ def draft_model(draft: object) -> nn.Module | None:
 def point_mass(tokens: mx.array, width: int) -> mx.array:
     """(k, width) one-hot rows: the draft distribution of a deterministic proposal."""
     return (mx.arange(width)[None] == tokens[:, None]).astype(mx.float32)
-
-
-def draft_logits(
-    logits: mx.array, history: mx.array, drafts: list[mx.array],
-    processors: Sequence[Processor], width: int | None,
-) -> mx.array:
-    """The draft's (Vq,) logits after the processors. The processors know the target's ids
-    (`width`): a narrower draft's logits are padded with -inf for them, then cut back."""
-    if not processors:
-        return logits
-    extra = 0 if width is None else width - logits.shape[-1]
-    row = logits[None]
-    if extra > 0:
-        row = mx.pad(row, [(0, 0), (0, extra)], constant_values=-float("inf"))
-    return process_logits(row, history, drafts, processors)[0, : logits.shape[-1]]
 
 
 @dataclass
@@ -316,202 +311,107 @@ class Proposals:
 
 class Drafting:
     """The batch's proposer (see the module docstring). `model`: the draft model every row with
-    a model-backed source uses (None: only host sources); `caches`: an empty rows cache for its
-    rows (a `BatchCache` or a `SingleCache`); `chunk`: the most tokens a catch-up feeds per
-    forward; `width`: the target's vocabulary width (processors know its ids)."""
+    a model-backed source uses (None: none); `head`: the target's MTP head (None: none);
+    `rows`: a function making an empty rows cache for a model (a `BatchCache` or a
+    `SingleCache`); `chunk`: the most tokens a catch-up feeds per forward; `width`: the target's
+    vocabulary width (processors know its ids)."""
 
-    def __init__(self, model: nn.Module | None, caches: Any, chunk: int,
-                 width: int | None) -> None:
-        self.model, self.caches, self.chunk, self.width = model, caches, chunk, width
-        self.uids: list[int] = []  # rows with the model, in cache row order
+    def __init__(self, model: nn.Module | None, head: MtpHead | None,
+                 rows: Callable[[nn.Module], Any], chunk: int, width: int | None) -> None:
+        self.chains: dict[int, Chain] = {}
+        if model is not None:
+            self.chains[id(model)] = ModelChain(model, rows(model), chunk, width)
+        if head is not None:
+            self.chains[id(head)] = HeadChain(head, rows(head), chunk, width)
+
+    def caches(self) -> list[Any]:
+        """Every chain's rows cache."""
+        return [chain.caches for chain in self.chains.values()]
+
+    def reads_states(self, rows: list[Any]) -> bool:
+        """Whether a row among `rows` drafts from the target's states (its verify and prefill
+        must capture them)."""
+        return any(isinstance(r.source.model, MtpHead) for r in rows)
 
     def check(self, source: Source) -> None:
         """ParameterError unless this batch can draft for `source`."""
-        if source.model is not None and source.model is not self.model:
-            raise ParameterError("draft", "the batch's draft model, prompt lookup or None",
-                                 type(source.model).__name__)
+        if source.model is not None and id(source.model) not in self.chains:
+            raise ParameterError("draft", "the batch's draft model, its target's MTP head, "
+                                 "prompt lookup or None", type(source.model).__name__)
 
-    def admit(self, row: Any, cache: Cache | None, budget: int | None) -> tuple[int, bool]:
+    def admit(self, row: Any, cache: Cache | None, budget: int | None,
+              states: list[mx.array] = (), start: int = 0) -> tuple[int, bool]:
         """Prefill a joining row's one-sequence draft cache (all of its sequence but the last
-        token), at most `budget` tokens (None: all): (tokens fed, whether it is done)."""
+        token), at most `budget` tokens (None: all): (tokens fed, whether it is done). `states`:
+        the target's final states of its prefill from position `start` (an MTP row reads them)."""
         if row.source.model is None or cache is None:
             return 0, True
-        todo = row.seq[cache_length(cache) : -1]
-        budget = len(todo) if budget is None else budget
-        prefill(self.model, cache, todo[:budget])
-        return min(len(todo), budget), len(todo) <= budget
+        return self.chains[id(row.source.model)].admit(row, cache, budget, list(states), start)
 
     def join(self, rows: list[Any], caches: list[Cache | None]) -> None:
         """Rows enter the batch (after the target's rows), with their draft caches."""
         for row in rows:
             row.source.begin(row.seq)
-        members = [(r, c) for r, c in zip(rows, caches) if r.source.model is not None]
-        if members:
-            self.caches.add([c for _, c in members])
-            self.uids += [r.uid for r, _ in members]
+        for key, chain in self.chains.items():
+            members = [(r, c) for r, c in zip(rows, caches)
+                       if r.source.model is not None and id(r.source.model) == key]
+            if members:
+                chain.join([r for r, _ in members], [c for _, c in members])
 
     def leave(self, rows: list[Any]) -> dict[int, Cache]:
         """Rows out: their draft caches rolled back to seq[:-1], extracted for the rows that
-        keep their caches (`keep_caches`), in one removal."""
-        index = {uid: j for j, uid in enumerate(self.uids)}
-        members = [r for r in rows if r.uid in index]
-        if not members:
-            return {}
-        lengths = dict(zip(self.uids, self.caches.lengths))
-        ends, lost = {}, set()
-        for r in members:
-            end = min(lengths[r.uid], len(r.seq) - 1)
-            if not self.caches.reachable(index[r.uid], end):  # recurrent: cannot go back
-                lost.add(r.uid)
-                end = lengths[r.uid]
-            ends[r.uid] = end
-        self.caches.rollback([ends.get(uid, n) for uid, n in lengths.items()])
-        out = {r.uid: self.caches.extract(index[r.uid]) for r in members
-               if r.keep_caches and r.uid not in lost}
-        self.caches.remove([index[r.uid] for r in members])
-        gone = {r.uid for r in members}
-        self.uids = [uid for uid in self.uids if uid not in gone]
+        keep their caches (`keep_caches`)."""
+        out: dict[int, Cache] = {}
+        for chain in self.chains.values():
+            out.update(chain.leave(rows))
         return out
 
     def propose(self, rows: list[Any], ks: list[int]) -> Proposals:
         """Every row's proposal for this round (`ks`: what each row may draft; a host source may
         offer fewer). Rows carry `seq`, `source`, `sampling`, `processors`, `uid` and
-        `draft_key` (this round's, None when greedy)."""
+        `draft_key` (this round's, None when greedy). Each chain a row of this round needs runs
+        once for all of its rows; the chains' ids are stacked into one array."""
         host = [r.source.host_proposal(k) if k else [] for r, k in zip(rows, ks)]
+        for b, (row, h) in enumerate(zip(rows, host)):
+            chain = self.chains.get(id(row.source.model)) if h is None else None
+            if isinstance(chain, HeadChain) and not chain.ready(row.uid):
+                host[b] = []  # no target state yet (its whole prompt came cached): a plain round
         ks = [k if h is None else len(h) for h, k in zip(host, ks)]
         chain_rows: list[int | None] = [None] * len(rows)
         q: list[mx.array | None] = [None] * len(rows)
-        chain = None
-        if any(h is None for h in host):
-            position = {uid: j for j, uid in enumerate(self.uids)}
-            ordered = [None] * len(self.uids)
+        parts: list[mx.array] = []
+        needed = {id(r.source.model) for r, h in zip(rows, host) if h is None}
+        at = 0
+        for key, chain in self.chains.items():
+            if key not in needed:
+                continue
+            position = {uid: j for j, uid in enumerate(chain.uids)}
+            ordered = [None] * len(chain.uids)
             for b, row in enumerate(rows):
                 if row.uid in position:
                     ordered[position[row.uid]] = (b, row, ks[b] if host[b] is None else 0)
-            chain, qs = self._chain(ordered)
+            ids, qs = chain.run(ordered)
             for j, (b, _, k) in enumerate(ordered):
                 if k:
-                    chain_rows[b], q[b] = j, qs[j]
+                    chain_rows[b], q[b] = at + j, qs[j]
+            parts.append(ids)
+            at += ids.shape[0]
+        steps = max((p.shape[1] for p in parts), default=0)
+        parts = [p if p.shape[1] == steps else mx.pad(p, [(0, 0), (0, steps - p.shape[1])])
+                 for p in parts]
+        chain = None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts)
         return Proposals(ks, host, chain, chain_rows, q)
 
-    def commit(self, rows: list[Any], befores: list[int], proposals: Proposals) -> None:
+    def commit(self, rows: list[Any], befores: list[int], proposals: Proposals,
+               states: mx.array | None = None) -> None:
         """The round is booked (each row's `seq` holds what it accepted): every source settles,
-        and each draft row keeps what it saw of the accepted sequence (a host row was fed the
-        chain's padding past `before`, its length at the proposal)."""
+        and each chain's rows keep what they saw of the accepted sequence (a host row was fed
+        the chain's padding past `before`, its length at the proposal). `states`: the verify's
+        (B, L, D) target states, where an MTP row is in the batch."""
         for row in rows:
             row.source.settle(len(row.seq) - 1)
-        if not self.uids:
-            return
-        by_uid = {r.uid: (r, before, j is None)
-                  for r, before, j in zip(rows, befores, proposals.chain_rows)}
-        keep = []
-        for uid, length in zip(self.uids, self.caches.lengths):
-            row, before, idle = by_uid[uid]
-            keep.append(min(length, before if idle else len(row.seq) - 1))
-        self.caches.rollback(keep)
-
-    # -- the model's chain -------------------------------------------------------------------
-    def _catch_up(self, rows: list[Any]) -> None:
-        """Feed the draft what its rows missed in plain (or host-proposed) rounds, so that at
-        most 2 unseen tokens are left to each row's first draft step. Each row caught up counts
-        it in its statistics (`catch_ups`; not timed: the round is one graph)."""
-        caches = self.caches
-        for row, n in zip(rows, caches.lengths):
-            row.stats.catch_ups += n < len(row.seq) - 2
-        while True:
-            todo = [r.seq[n : len(r.seq) - 2] for r, n in zip(rows, caches.lengths)]
-            widest = max(len(t) for t in todo)
-            if widest == 0:
-                return
-            n = min(widest, self.chunk)
-            lengths = list(caches.lengths)
-            x = [model_inputs(self.model, t[:n]) + [0] * (n - len(t[:n])) for t in todo]
-            caches.forward(self.model, mx.array(x, dtype=mx.int32))
-            caches.rollback([length + min(n, len(t)) for length, t in zip(lengths, todo)])
-
-    def _chain(self, ordered: list[tuple[int, Any, int]]) -> tuple[mx.array, list]:
-        """One batched chain of max(k) draft steps over every model row (rows drafting fewer, or
-        none, feed what they have and are rolled back at commit): (model rows, steps) ids and
-        each row's q (None when greedy). A seeded row proposes the Gumbel-max choice of its
-        (seed, position) noise (`seeded.py`), the noise its verify uses; unseeded rows draw
-        together, one draw per step."""
-        rows = [r for _, r, _ in ordered]
-        ks = [k for _, _, k in ordered]
-        caches = self.caches
-        self._catch_up(rows)
-        unseen = [r.seq[n:] for r, n in zip(rows, caches.lengths)]
-        lengths = list(caches.lengths)
-        width = max(len(u) for u in unseen)
-        x = [model_inputs(self.model, u) + [0] * (width - len(u)) for u in unseen]
-        logits = caches.forward(self.model, mx.array(x, dtype=mx.int32))
-        caches.rollback([n + len(u) for n, u in zip(lengths, unseen)])
-        last = mx.array([len(u) - 1 for u in unseen], dtype=mx.int32)
-        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # (Bd, Vq)
-        sampled = [j for j, (r, k) in enumerate(zip(rows, ks)) if k and not r.sampling.greedy]
-        unseeded = [j for j in sampled if rows[j].sampling.seed is None]
-        # unseeded rows draw together, one key per step (each row still its own uniform)
-        keys = mx.random.split(rows[unseeded[0]].draft_key, max(ks)) if unseeded else None
-        histories = {j: mx.array(r.seq, dtype=mx.int32) for j, r in enumerate(rows)
-                     if r.processors}
-        qs: dict[int, list[mx.array]] = {j: [] for j in sampled}
-        chain: list[mx.array] = []
-        for i in range(max(ks)):
-            if i:
-                logits = caches.forward(self.model, chain[-1][:, None])[:, 0]
-            if not sampled and not histories:
-                token = mx.argmax(logits, axis=-1).astype(mx.int32)
-            else:
-                token = self._step(rows, ks, i, logits, histories, qs, keys, chain)
-            mx.async_eval(token)
-            chain.append(token)
-        return mx.stack(chain, axis=1), [mx.stack(qs[j]) if j in qs else None
-                                         for j in range(len(rows))]
-
-    def _step(self, rows, ks, i, logits, histories, qs, keys, chain) -> mx.array:
-        """Step i's token for every chain row: drawn from its warped q where it samples and
-        drafts this far (seeded: with its position's noise), else the argmax (a greedy row, or
-        padding)."""
-        warped: dict[int, mx.array] = {}
-        picks: list[mx.array | None] = [None] * len(rows)
-        groups = list(sampling_groups(rows, lambda j, r: j in qs and i < ks[j]
-                                      and j not in histories).values())
-        # unseeded draws: a key per regime group drawn with its warp in one graph, and one for
-        # the unseeded rows drawn apart (with processors, or beside seeded rows of their regime)
-        fused = [m for m in groups if all(rows[j].sampling.seed is None for j in m)]
-        apart = any(rows[j].sampling.seed is None and i < ks[j] for j in qs
-                    if not any(j in m for m in fused))
-        count = len(fused) + apart
-        step_keys = ([] if count == 0 else [keys[i]] if count == 1 else
-                     list(mx.random.split(keys[i], count)))
-        for members, key in zip(fused, step_keys):
-            probs, drawn = draw(logits[mx.array(members)], rows[members[0]].sampling, key)
-            for n, j in enumerate(members):
-                qs[j].append(probs[n])
-                picks[j] = drawn[n]
-        for members in (m for m in groups if m not in fused):
-            probs = warp(logits[mx.array(members)], rows[members[0]].sampling)
-            warped.update({j: probs[n] for n, j in enumerate(members)})
-        pooled: list[tuple[int, mx.array]] = []  # unseeded rows drawing at this step
-        for j, row in enumerate(rows):
-            if picks[j] is not None:  # drawn with its group
-                continue
-            row_logits = logits[j]
-            if j in histories:
-                row_logits = draft_logits(row_logits, histories[j], [t[j] for t in chain],
-                                          row.processors, self.width)
-            if j in qs and i < ks[j]:
-                q = warped[j] if j in warped else warp(row_logits, row.sampling)
-                qs[j].append(q)
-                seed = row.sampling.seed
-                if seed is None:
-                    pooled.append((j, q))
-                else:
-                    picks[j] = seeded.choose(q[None], seed, len(row.seq) + i)[0]
-            else:
-                picks[j] = mx.argmax(row_logits, axis=-1)
-        if pooled:
-            drawn = sample_rows(mx.stack([q for _, q in pooled]), step_keys[-1])
-            for n, (j, _) in enumerate(pooled):
-                picks[j] = drawn[n]
-        return mx.stack(picks).astype(mx.int32)
-
+        by_uid = {r.uid: (r, before, j is None, b)
+                  for b, (r, before, j) in enumerate(zip(rows, befores, proposals.chain_rows))}
+        for chain in self.chains.values():
+            if chain.uids:
+                chain.commit(by_uid, states)

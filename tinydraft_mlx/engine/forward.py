@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from . import hidden
 from .cache import Cache, RollbackRotatingKVCache, ring_mask, ring_slots, slot_positions
 from .distributed import ranks_of
 
@@ -133,8 +134,9 @@ class _Compiled:
 
         def step(tokens, offset, keys, values):
             slots = [slot(k, v, offset) for k, v in zip(keys, values)]
-            logits = model(tokens, cache=slots)
-            return logits, [s.keys for s in slots], [s.values for s in slots]
+            with hidden.capture() as seen:  # a watched model's final states (hidden.py)
+                logits = model(tokens, cache=slots)
+            return logits, [s.keys for s in slots], [s.values for s in slots], seen
 
         # the parameters are inputs, read at every call: a closure's arrays would be frozen into
         # the trace as constants, so a weight changed later (model.update, adapters, training)
@@ -226,13 +228,13 @@ def _reserve(cache: list[KVCache], need: int) -> int:
     return size
 
 
-def forward(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
+def forward(model: nn.Module, tokens: mx.array, cache: list[Any], **inputs: Any) -> Any:
     """`model(tokens, cache=cache)`, (1, L) ids -> (1, L, V) logits, lazily; compiled where it
     applies (see the module docstring), else the eager forward. The cache advances by L either
-    way."""
-    state = _compiled(model) if enabled() else None
+    way. `inputs`: more keyword inputs of the model (an MTP head's hidden states; eager)."""
+    state = _compiled(model) if enabled() and not inputs else None
     if state is None or not cache or cache[0].keys is None:
-        return model(tokens, cache=cache)
+        return model(tokens, cache=cache, **inputs)
     offset, n = cache[0].offset, tokens.shape[1]
     if all(type(layer) is KVCache for layer in cache):
         size = _reserve(cache, offset + n)
@@ -244,9 +246,10 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any]) -> mx.array:
         _traced_shape(state, ("ring", n, first.keep, first.window, first.ring))
     else:
         return model(tokens, cache=cache)
-    logits, keys, values = step(tokens, mx.array(offset, dtype=mx.int32),
-                                [layer.keys for layer in cache],
-                                [layer.values for layer in cache])
+    logits, keys, values, seen = step(tokens, mx.array(offset, dtype=mx.int32),
+                                      [layer.keys for layer in cache],
+                                      [layer.values for layer in cache])
+    hidden.record(seen)
     for layer, k, v in zip(cache, keys, values):
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
@@ -264,7 +267,7 @@ def _ring_in_place(cache: Cache, n: int) -> bool:
                for layer in cache) and first.in_place(n)
 
 
-def forward_batch(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
+def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any) -> Any:
     """`forward` for a `BatchCache` (batch_cache.py): (B, L) ids -> (B, L, V) logits, each row
     at its own offset; every row advances by L (the caller rolls rows back to their real
     lengths). Compiled where `forward` would be (unbounded rows) for small forwards, at most
@@ -272,20 +275,21 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any) -> mx.array:
     over its whole fixed-size buffer, which costs more than it saves once many positions share
     the forward. Demo target, ms, compiled vs eager: B = 2 x 1 token 4.0-5.1 vs 4.8-5.4, 2 x 4
     9.6 vs 10.0-11.1, 4 x 1 8.2 vs 9.7-10.1, 8 x 1 12.3-12.7 vs 11.5-12.1, 8 x 4 19.4-19.7 vs
-    16.3-19.6; B = 32 x 1: 21-26 vs 17-18."""
+    16.3-19.6; B = 32 x 1: 21-26 vs 17-18. `inputs` as `forward`'s."""
     n = tokens.shape[1]
     small = tokens.shape[0] * n <= COMPILED_POSITIONS
-    state = _compiled(model) if enabled() and small else None
+    state = _compiled(model) if enabled() and small and not inputs else None
     if state is None or cache.bounded or cache.layers[0].keys is None:
         cache.reserve(n)
-        logits = model(tokens, cache=cache.layers)
+        logits = model(tokens, cache=cache.layers, **inputs)
     else:
         size = buffer_size(max(cache.lengths) + n)
         cache.reserve(n, size)
         _traced_shape(state, (tokens.shape[0], n, size))
-        logits, keys, values = state.step(tokens, cache.offsets(),
-                                          [layer.keys for layer in cache.layers],
-                                          [layer.values for layer in cache.layers])
+        logits, keys, values, seen = state.step(tokens, cache.offsets(),
+                                                [layer.keys for layer in cache.layers],
+                                                [layer.values for layer in cache.layers])
+        hidden.record(seen)
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values = k, v
     cache.advance(n)
@@ -371,13 +375,13 @@ def prefill(
     for start, end in zip(bounds, [*bounds[1:], len(tokens)]):
         inputs = mx.array(tokens[start:end], dtype=mx.int32)[None]
         if head is not None and end == len(tokens):
-            hidden = model.model(inputs, cache=cache)
-            rows.append(head(hidden[0, cut - start :]))
+            states = model.model(inputs, cache=cache)
+            rows.append(head(states[0, cut - start :]))
         else:
             logits = model(inputs, cache=cache)
             if start >= cut:
                 rows.append(logits[0])
-        mx.eval([layer.state for layer in cache], rows)
+        mx.eval([layer.state for layer in cache], rows, hidden.active() or [])
         if end < len(tokens):
             mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
         if progress is not None:

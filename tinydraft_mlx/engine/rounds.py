@@ -40,6 +40,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -52,6 +53,8 @@ from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reachable
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
+from .hidden import capture, watch
+from .mtp import MtpHead, head_of
 from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, Acceptance, choose, sampling_regime, shared_policy
 from .rejection import greedy_accept_ids
 from .sampling import ParameterError, Processor, SamplingParams
@@ -152,20 +155,29 @@ def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None
 
 class BatchDecoder:
     """Rounds of speculative decoding over a changing batch of sequences (see the module
-    docstring). `draft`: the draft model that model-backed sources use (None: none may).
-    `max_kv_size`: every sequence's caches bounded as `make_cache` bounds one (then k may be at
-    most `max_k`, the rollback margin). `prefill_step`: prompt tokens prefilled per `step()`.
-    `single`: hold one sequence at a time (also where the models cannot be batched)."""
+    docstring). `draft`: the draft model that model-backed sources use (None: none may), or
+    the target's MTP head (which "mtp" sources use; a head attached to the target is used
+    either way). `max_kv_size`: every sequence's caches bounded as `make_cache` bounds one
+    (then k may be at most `max_k`, the rollback margin). `prefill_step`: prompt tokens
+    prefilled per `step()`. `single`: hold one sequence at a time (also where the models cannot
+    be batched)."""
 
     def __init__(self, target: nn.Module, draft: nn.Module | None = None, *,
                  max_kv_size: int | None = None, max_k: int = AUTO_MAX_K,
                  prefill_step: int = PREFILL_STEP, single: bool = False) -> None:
         self.ranks = ranks_of(target)
+        # the target's MTP layer drafts with its own chain (mtp.py), given here or attached
+        head = draft if isinstance(draft, MtpHead) else head_of(target)
+        draft = None if isinstance(draft, MtpHead) else draft
+        if head is not None:
+            if head.target is not target:
+                raise ParameterError("draft", "an MTP head of this target", "another model's")
+            watch(target)
         self.single = single or unbatchable(target, draft) is not None
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         self.margin = max_k + 1
-        kinds = {id(m): layer_kinds(m) for m in (target, draft) if m is not None}
+        kinds = {id(m): layer_kinds(m) for m in (target, draft, head) if m is not None}
         # bounded and sliding-window rows, and recurrent ones, roll back at most margin + 1
         # positions: k is at most max_k, and a batch's padded catch-up forwards are no longer
         self.limited = max_kv_size is not None or any(
@@ -179,8 +191,7 @@ class BatchDecoder:
         self.target_cache = rows(target)
         self.width = vocab_width(target)
         chunk = self.margin + 1 if self.limited and not self.single else prefill_step
-        self.drafting = Drafting(draft, rows(draft) if draft is not None else None, chunk,
-                                 self.width)
+        self.drafting = Drafting(draft, head, rows, chunk, self.width)
         self.rows: list[_Row] = []  # in the batch, in cache row order
         self.pending: list[_Row] = []  # prefilling, first come first served
         self.finished: dict[int, Finished] = {}
@@ -229,7 +240,7 @@ class BatchDecoder:
         if self.single and len(self):
             raise ValueError("this decoder holds one sequence at a time (single=True, or a "
                              "tensor-parallel target, or layers a batch cannot hold)")
-        source = resolve_drafter(draft, self.draft)
+        source = resolve_drafter(draft, self.draft, self.target)
         self.drafting.check(source)
         k_cap = max_draft_length(source, k)
         if k_cap > self.max_k and self.limited:
@@ -320,9 +331,9 @@ class BatchDecoder:
         cache.remove([index[id(r)] for r in rows])
         if self._queued is not None:
             stay = [i for i, r in enumerate(self.rows) if id(r) not in leaving]
-            proposals, (results, kept_logits) = self._queued
+            proposals, (results, kept_logits, _) = self._queued
             self._queued = (Proposals.plain(len(stay)),
-                            ([results[i] for i in stay], [kept_logits[i] for i in stay]))
+                            ([results[i] for i in stay], [kept_logits[i] for i in stay], None))
         self.rows = [r for r in self.rows if id(r) not in leaving]
         if not self.rows:
             self._queued = None
@@ -340,14 +351,16 @@ class BatchDecoder:
             todo = row.seq[cache_length(row.target_cache) : -1]
             chunk = todo if left >= len(todo) else todo[: int(left)]
             done = None if progress is None else _progress(progress, len(todo))
-            start = time.perf_counter()
-            with mx.stream(self.stream):
+            start, at = time.perf_counter(), cache_length(row.target_cache)
+            reads = self.drafting.reads_states([row])  # an MTP row reads the target's states
+            with mx.stream(self.stream), (capture() if reads else nullcontext([])) as states:
                 if done is not None:
                     done(0)
                 prefill(self.target, row.target_cache, chunk, progress=done)
                 rest = left - len(chunk)
                 fed, ready = self.drafting.admit(row, row.draft_cache,
-                                                 None if rest == math.inf else int(rest))
+                                                 None if rest == math.inf else int(rest),
+                                                 list(states), at)
             row.stats.prefill_seconds += time.perf_counter() - start
             left -= len(chunk) + fed
             if len(chunk) < len(todo) or not ready:
@@ -364,7 +377,7 @@ class BatchDecoder:
         for row in rows:
             row.target_cache = row.draft_cache = None
         self.rows += rows
-        mx.eval([cache.arrays() for cache in (self.target_cache, self.drafting.caches)
+        mx.eval([cache.arrays() for cache in (self.target_cache, *self.drafting.caches())
                  if isinstance(cache, BatchCache)])
         self._joined = True
 
@@ -425,6 +438,7 @@ class BatchDecoder:
         round of a first token, one rank (or fixed k), and a row that goes on past this round."""
         return (not self.pending and not self._joined
                 and not any(r.processors for r in self.rows)
+                and not self.drafting.reads_states(self.rows)
                 and not (self.ranks and any(r.acceptance is not None for r in self.rows))
                 and any(r.generated + 1 < r.max_tokens for r in self.rows))
 
@@ -457,22 +471,26 @@ class BatchDecoder:
         for row, k in zip(self.rows, chosen, strict=True):
             row.round_k = k
 
-    def _verify(self, proposals: Proposals, inputs: mx.array | None = None) -> tuple[list, list]:
+    def _verify(self, proposals: Proposals, inputs: mx.array | None = None) -> tuple:
         """One batched forward of every row's [last, d_1..d_k] (`inputs`: the (B, 1) last
         tokens of the current round, on the device, for a plain round queued ahead), then the
-        acceptance rule per row (lazy)."""
+        acceptance rule per row (lazy): (results, kept logits, the target's (B, L, D) final
+        states where an MTP row reads them, else None)."""
         x = inputs if inputs is not None else proposals.inputs([r.seq[-1] for r in self.rows])
         x = model_inputs(self.target, x)  # a wider draft's ids: clamped (acceptance.py)
-        logits = self.target_cache.forward(self.target, x)  # (B, L, V)
-        return verify(self.rows, proposals, logits, self._shared_key,
-                      ahead=0 if inputs is None else 1)
+        reads = self.drafting.reads_states(self.rows)
+        with capture() if reads else nullcontext([]) as states:
+            logits = self.target_cache.forward(self.target, x)  # (B, L, V)
+        results, kept = verify(self.rows, proposals, logits, self._shared_key,
+                               ahead=0 if inputs is None else 1)
+        return results, kept, states[-1] if states else None
 
     def _shared_key(self) -> mx.array:
         self.key, key = mx.random.split(self.key)
         return key
 
     def _commit(self, proposals: Proposals, results: list[mx.array],
-                kept: list[mx.array | None], elapsed: float,
+                kept: list[mx.array | None], states: mx.array | None, elapsed: float,
                 timed: bool) -> dict[int, list[Token]]:
         """Book the round for every row, emit its tokens, roll each row's caches back to its
         accepted prefix (a queued plain round has written one position more), and let finished
@@ -502,7 +520,7 @@ class BatchDecoder:
             out[row.uid] = self._emit(row, drafts[:n] + [token], n, logits, finished)
             keep.append(len(row.seq) - 1 + ahead)
         self.target_cache.rollback(keep)
-        self.drafting.commit(self.rows, befores, proposals)
+        self.drafting.commit(self.rows, befores, proposals, states)
         auto = [r for r in self.rows if r.acceptance is not None]
         if timed and auto:
             k = max(r.round_k for r in auto)

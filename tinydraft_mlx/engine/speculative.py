@@ -49,7 +49,7 @@ def decode(
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
-    source = resolve_drafter(draft)
+    source = resolve_drafter(draft, target=target)
     decoder = BatchDecoder(target, source.model, max_k=max(1, max_draft_length(source, k)),
                            single=True)
     uid = decoder.insert(prompt, draft=source, k=k, max_tokens=max_tokens, sampling=sampling,

@@ -189,7 +189,7 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
     prompt cache, the KV bound against a round's length) for a generation of checked `options`;
     ParameterError / PromptCacheError naming the parameter, the allowed range and the value
     received. `stream_generate`, `batch_generate` and the server all go through it."""
-    drafter = resolve_drafter(draft)
+    drafter = resolve_drafter(draft, target=target)
     width = vocab_width(target)
     check_vocab(options, width)
     if prompt_progress_callback is not None and not callable(prompt_progress_callback):

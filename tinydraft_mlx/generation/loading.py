@@ -22,11 +22,13 @@ from ..engine.backend import resolve_dtype, warn_if_slow_blas
 from ..engine.cache import make_cache
 from ..engine.distributed import join
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from ..engine.mtp import MTP, MtpError, MtpHead, load_mtp
 from ..engine.pruning import prune_draft
 from ..engine.sampling import ParameterError
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-_ALLOW = ["*.json", "model*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
+_ALLOW = ["*.json", "model*.safetensors", "mtp*.safetensors", "*.txt", "*.jinja",
+          "tokenizer.model", "*.tiktoken"]
 # Each family's default draft: the smallest model of the family that shares its tokenizer, named
 # from the target's own name (publisher, variant and quantization kept), so "mlx-community/
 # Qwen3-8B-4bit" gets "mlx-community/Qwen3-0.6B-4bit". Mistral has no such sibling.
@@ -274,7 +276,10 @@ def load_models(
 
     target: hub id or local directory; None loads the bundled demo target.
     draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft;
-    "prompt-lookup" returns a `PromptLookup` drafter (no model).
+    "prompt-lookup" returns a `PromptLookup` drafter (no model); "mtp" returns the target's own
+    MTP layer (an `MtpHead`, from the `mtp.*` tensors of its checkpoint, which mlx-community
+    conversions strip: use the original checkpoint), after which draft="mtp" also names it
+    wherever this target decodes (a separate directory of MTP tensors: `load_mtp`).
     dtype: "float32", "float16", "bfloat16" or an mx.Dtype; default float32 on the CPU backend and
     the checkpoint's own dtype on a GPU (as mlx-lm: bfloat16 for Qwen2.5).
 
@@ -295,9 +300,9 @@ def load_models(
         raise ParameterError("draft_vocab_counts", "used with draft_vocab (it says which tokens "
                              "draft_vocab keeps)", str(draft_vocab_counts))
     if draft_vocab is not None and draft is not None and str(draft).lower() in (NO_DRAFT,
-                                                                                PROMPT_LOOKUP):
-        raise ParameterError("draft_vocab", "used with a draft model (not prompt lookup or none)",
-                             str(draft).lower())
+                                                                                PROMPT_LOOKUP, MTP):
+        raise ParameterError("draft_vocab", "used with a draft model (not prompt lookup, mtp or "
+                             "none)", str(draft).lower())
     warn_if_slow_blas()
     if target is None:
         if not (DEMO_DIR / "target" / "config.json").is_file():
@@ -309,10 +314,23 @@ def load_models(
     group = join().group if distributed else None
     target_model, tokenizer = load_model(target, dtype, group)
     skinny.enable(target_model)
+    if str(draft).lower() == MTP:
+        return target_model, load_head(target_model, target), tokenizer
     draft_model = load_draft(draft, tokenizer, dtype=dtype)
     if draft_vocab is not None:
         draft_model = prune_draft(draft_model, tokenizer, draft_vocab, draft_vocab_counts)
     return target_model, draft_model, tokenizer
+
+
+def load_head(target: nn.Module, path: str | Path) -> MtpHead:
+    """The MTP layer of a target already loaded, from the tensors in `path` (its checkpoint: a
+    hub id or a directory; or a directory / file of MTP tensors). ModelLoadError (one sentence)
+    where there are none or they do not fit the target."""
+    local = Path(path).expanduser()
+    try:
+        return load_mtp(target, local if local.exists() else resolve_model_path(path))
+    except MtpError as err:
+        raise ModelLoadError(str(err)) from None
 
 
 def load_draft(

@@ -1,0 +1,310 @@
+"""The target's own MTP layer as a drafter (engine/mtp.py, engine/chains.py's HeadChain).
+
+Tiny checkpoints are built at test time with transformers 5 (a dense Qwen3, Qwen3-Next with MoE,
+Qwen3.5): the target (its layers but the first attention one damped, tests/fixtures.py) and its
+MTP tensors under the hub's names (Qwen3-Next / Qwen3.5: inside model.safetensors, as the hub
+ships them; the dense one beside it in mtp.safetensors; DeepSeek-V3's layout once), the layer a
+noisy copy of the target's first attention layer, so that it agrees with the target on some
+positions and not others. Checked against independent references:
+- the head's logits == a reference built from transformers' own modules (the same tensors: its
+  decoder layer, RoPE and causal mask, with the norms and projection written here in torch),
+  fed the oracle's final hidden states, to float32 rounding; and a mis-wired head (its two
+  inputs swapped) does not match;
+- after speculative decoding with rejections, the head's cache == the head run once on the
+  oracle's states of the final sequence (the states of accepted positions only were fed);
+- greedy output == the transformers fp32 oracle of the target alone (it ignores the `mtp.*`
+  tensors), k in {1, 3, 6, auto}, one sequence and batches of 3 and 8 (beside the draft model,
+  prompt lookup, lookup + MTP, and plain rows), rejections and acceptances both counted;
+- sampled: the joint of the first two tokens of MTP rows inside mixed batches == the oracle's
+  exact joint (chi-square, the suite's bound); a seeded row does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.fixtures import (
+    FIRST_ATTENTION,
+    MTP_FAMILIES,
+    ZERO_CENTRED,
+    build_family_pair,
+    build_hybrid_pair,
+    damp_layers,
+    write_mtp,
+)
+from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, two_step_joint
+from tinydraft_mlx import (
+    BatchDecoder,
+    Hybrid,
+    ModelLoadError,
+    MtpHead,
+    SamplingParams,
+    batch_generate,
+    generate,
+    load_head,
+    load_models,
+)
+from tinydraft_mlx.engine import hidden
+from tinydraft_mlx.engine.chains import HeadChain
+from tinydraft_mlx.engine.mtp import attach
+
+pytestmark = pytest.mark.usefixtures("cpu_fp32")
+
+PROMPTS = [
+    "def parse_args(self, args=None, namespace=None):\n    if args is None:",
+    "import os\nimport sys\n\nclass Encoder(object):\n    def",
+    "x = 1",
+    "class",
+]
+NEW = 24
+MIN_MARGIN = 1e-3
+DAMP = {"qwen3": 0.1, "qwen3_next": 0.02, "qwen3_5": 0.02}
+
+
+@pytest.fixture(scope="module")
+def mtp(tmp_path_factory):
+    """family -> (target dir, (target, head, tokenizer), draft model, [(ids, oracle greedy)],
+    oracle)."""
+    from tests.oracle import Oracle
+
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for family in MTP_FAMILIES:
+        if family == "qwen3":
+            target_dir, draft_dir = build_family_pair(root, family)
+        else:
+            target_dir, draft_dir = build_hybrid_pair(root, family)
+        damp_layers(target_dir, DAMP[family], FIRST_ATTENTION[family])
+        write_mtp(target_dir, family,
+                  into="mtp.safetensors" if family == "qwen3" else "model.safetensors")
+        target, head, tok = load_models(str(target_dir), "mtp", dtype="float32")
+        _, draft, _ = load_models(str(target_dir), str(draft_dir), dtype="float32")
+        oracle = Oracle(target_dir)
+        refs = oracle.references(tok, PROMPTS, NEW, MIN_MARGIN, family)
+        out[family] = (target_dir, (target, head, tok), draft, refs, oracle)
+    return out
+
+
+# -- the head itself ----------------------------------------------------------------------------
+def _reference_head(target_dir, family, oracle, ids):
+    """(len(ids) - 1, V) logits of the MTP layer at positions 0..n-2 (position i reads the
+    oracle's final state h_i and token ids[i + 1]), from the checkpoint's tensors through
+    transformers' own decoder layer, rotary embedding and mask."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tensors = {}
+    for path in sorted(target_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    mtp = {k[len("mtp."):]: v for k, v in tensors.items() if k.startswith("mtp.")}
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"]
+    one = AutoModelForCausalLM.from_config(config).eval()  # one layer: the MTP layer
+    state = {f"model.layers.0.{k[len('layers.0.'):]}": v for k, v in mtp.items()
+             if k.startswith("layers.0.")}
+    experts = sorted({int(k.split(".")[5]) for k in state if ".mlp.experts." in k})
+    if experts:  # transformers keeps the experts fused in memory: (E, 2I, H) gate first
+        e = "model.layers.0.mlp.experts"
+        state[f"{e}.gate_up_proj"] = torch.stack([torch.cat(
+            [state.pop(f"{e}.{i}.gate_proj.weight"), state.pop(f"{e}.{i}.up_proj.weight")])
+            for i in experts])
+        state[f"{e}.down_proj"] = torch.stack([state.pop(f"{e}.{i}.down_proj.weight")
+                                               for i in experts])
+    state["model.norm.weight"] = mtp["norm.weight"]
+    state["lm_head.weight"] = tensors["lm_head.weight"]
+    state["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    missing, unexpected = one.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    eps = config.rms_norm_eps
+    shift = 1.0 if family in ZERO_CENTRED else 0.0
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (shift + w)
+
+    with torch.no_grad():
+        states = oracle.model.model(torch.tensor([ids])).last_hidden_state[0, :-1]
+        embeds = tensors["model.embed_tokens.weight"][torch.tensor(ids[1:])]
+        x = torch.cat([rms(embeds, mtp["pre_fc_norm_embedding.weight"]),
+                       rms(states, mtp["pre_fc_norm_hidden.weight"])], dim=-1)
+        x = x @ mtp["fc.weight"].T
+        logits = one(inputs_embeds=x[None]).logits[0]
+    return logits.double().numpy(), states.numpy()
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_the_heads_logits_equal_an_independent_reference(mtp, family):
+    target_dir, (target, head, tok), _, refs, oracle = mtp[family]
+    ids = refs[0][0] + refs[0][1][:8]
+    expected, states = _reference_head(target_dir, family, oracle, ids)
+    with hidden.capture() as seen:  # our target's own states, as the engine captures them
+        target(mx.array([ids]))
+    ours = np.array(seen[-1][0, :-1])
+    np.testing.assert_allclose(ours, np.asarray(states), atol=2e-4, rtol=1e-4)
+    logits, _ = head(mx.array([ids[1:]]), None, hidden=seen[-1][:, :-1])
+    got = np.array(logits[0]).astype(np.float64)
+    assert np.abs(got - expected).max() < 2e-3 * max(1.0, np.abs(expected).max()), \
+        np.abs(got - expected).max()
+    # the control: the same head fed its two inputs the other way round is far off
+    wrong, _ = head(mx.array([ids[:-1]]), None, hidden=seen[-1][:, 1:])
+    assert np.abs(np.array(wrong[0]) - expected).max() > 0.1
+
+
+def test_the_deepseek_layout_gives_the_same_head(mtp, tmp_path):
+    """model.layers.{N}.eh_proj / enorm / hnorm / shared_head.norm (DeepSeek-V3, GLM-4.5) map
+    onto the same head as mtp.* for the same tensors."""
+    target_dir, (target, head, tok), _, refs, _ = mtp["qwen3"]
+    write_mtp(target_dir, "qwen3", layout="deepseek", into="deep.safetensors")
+    other = load_head(target, target_dir / "deep.safetensors")
+    ids = mx.array([refs[0][0]])
+    with hidden.capture() as seen:
+        target(ids)
+    a, _ = head(ids[:, 1:], None, hidden=seen[-1][:, :-1])
+    b, _ = other(ids[:, 1:], None, hidden=seen[-1][:, :-1])
+    assert mx.array_equal(a, b)
+    attach(target, head)  # the fixture's head is the target's again
+
+
+def test_a_checkpoint_without_mtp_tensors_is_refused_in_one_line(mtp, tmp_path):
+    target_dir, (target, _, _), _, _, _ = mtp["qwen3_5"]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError) as err:
+        load_head(target, empty)
+    message = str(err.value)
+    assert "\n" not in message and "mtp.*" in message and "mlx-community" in message
+    with pytest.raises(ModelLoadError):  # the draft checkpoint of the pair has none either
+        load_models(str(target_dir.parent / "draft"), "mtp", dtype="float32")
+
+
+def test_the_heads_cache_holds_the_target_states_of_accepted_positions(mtp):
+    """After rounds that accepted and rejected, the head's cache == the head run once over the
+    final sequence on the oracle's states: nothing of a rejected position's state remains."""
+    import torch
+
+    _, (target, head, tok), _, refs, oracle = mtp["qwen3_next"]
+    ids = refs[0][0]
+    decoder = BatchDecoder(target)
+    uid = decoder.insert(ids, draft="mtp", k=3, max_tokens=14)
+    out, stats = [], None
+    for _ in range(40):
+        tokens = decoder.step().get(uid, [])
+        out += [t.id for t in tokens]
+        stats = tokens[-1].stats if tokens else stats
+        if len(out) >= 10:
+            break
+    assert stats.accepted > 0 and stats.rounds * 3 > stats.accepted  # accepted and rejected
+    chain = next(c for c in decoder.drafting.chains.values() if isinstance(c, HeadChain))
+    row = decoder.rows[0]
+    entries = chain.caches.lengths[0]
+    skip = chain.feeds[row.uid].skip
+    assert skip == 1 and entries >= len(ids) - 1
+    seq = row.seq[: entries + 1]
+    with torch.no_grad():
+        states = oracle.model.model(torch.tensor([seq])).last_hidden_state[0, :-1].numpy()
+    cache = head.make_cache()
+    head(mx.array([seq[1:]]), cache, hidden=mx.array(states)[None])
+    layer = chain.caches.layers[0]
+    keys = np.array(layer.keys[0, :, :entries])
+    np.testing.assert_allclose(keys, np.array(cache[0].keys[0, :, :entries]), atol=2e-4)
+
+
+# -- exact output -------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_greedy_equals_the_oracle(mtp, family):
+    _, (target, head, tok), _, refs, _ = mtp[family]
+    accepted = rejected = 0
+    for k in (1, 3, 6, "auto"):
+        for ids, ref in refs:
+            draft = head if k == 1 else "mtp"  # the head object and its name
+            out, stats = generate(target, draft, tok, ids, k=k, max_tokens=NEW)
+            assert out == ref, (family, k, ids)
+            accepted += stats.accepted
+            rejected += stats.drafted - stats.accepted
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_batches_equal_the_oracle(mtp, family):
+    _, (target, head, tok), draft, refs, _ = mtp[family]
+    prompts = [ids for ids, _ in refs[:3]]
+    for k in (1, 3, 6):
+        outs = batch_generate(target, head, tok, prompts, k=k, max_tokens=NEW)
+        assert [o for o, _ in outs] == [ref for _, ref in refs[:3]], (family, k)
+    # eight rows, each drafting its own way, in one batch: MTP, the draft model, prompt lookup,
+    # lookup + MTP, none; ragged lengths, rows leaving early
+    decoder = BatchDecoder(target, draft)
+    kinds = ["mtp", "model", "prompt-lookup", Hybrid(head), None, "mtp", "mtp", "model"]
+    ks = [2, 3, 4, 3, 0, "auto", 5, 2]
+    uids = {}
+    for j, (kind, k) in enumerate(zip(kinds, ks)):
+        ids, ref = refs[j % len(refs)]
+        n = NEW - 3 * (j % 3)
+        uids[decoder.insert(ids, draft=kind, k=k, max_tokens=n)] = ref[:n]
+    out = {uid: [] for uid in uids}
+    while len(decoder):
+        for uid, tokens in decoder.step().items():
+            out[uid] += [t.id for t in tokens]
+    assert out == uids
+
+
+def test_sampled_first_two_tokens_inside_mixed_batches(mtp):
+    """Qwen3-Next target, T = 1 top-p 0.8, k = 2, MTP rows: 1,200 rows' first two tokens (in
+    batches of 40 beside greedy, seeded, draft-model and prompt-lookup companions) against the
+    oracle's exact joint; the joint without top-p is rejected by the same samples."""
+    _, (target, head, tok), draft, refs, oracle = mtp["qwen3_next"]
+    ids = refs[2][0]
+    joint = two_step_joint(oracle.logits, ids, temperature=1.0, top_p=0.8)
+    wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
+    companions = [(SamplingParams(), "model", 3), (SamplingParams(0.7, seed=5), "mtp", 2),
+                  (SamplingParams(0.9), "prompt-lookup", 2)]
+    counts, paths = Counter(), Counter()
+    for batch in range(30):
+        decoder = BatchDecoder(target, draft)
+        uids = []
+        for j in range(40):
+            uids.append(decoder.insert(ids, draft="mtp", k=2, max_tokens=3,
+                                       sampling=SamplingParams(1.0, top_p=0.8)))
+            if j % 20 == 0:
+                s, kind, k = companions[(batch + j // 20) % 3]
+                decoder.insert(refs[j // 20][0], draft=kind, k=k, max_tokens=4 + j // 8,
+                               sampling=s)
+        drain_first_two(decoder, uids, counts, paths)
+    n = sum(counts.values())
+    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
+    stat, df = chi2_statistic(counts, joint, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
+    assert wrong_stat > chi2_threshold(wrong_df)
+
+
+def test_a_seeded_row_does_not_depend_on_its_batch(mtp):
+    _, (target, head, tok), draft, refs, _ = mtp["qwen3_5"]
+    ids = refs[0][0]
+    alone, _ = generate(target, "mtp", tok, ids, k=3, max_tokens=20, seed=11, temperature=0.8,
+                        top_p=0.9)
+    decoder = BatchDecoder(target, draft)
+    decoder.insert(refs[2][0], draft="model", k=2, max_tokens=6, sampling=SamplingParams(0.7))
+    uid = decoder.insert(ids, draft="mtp", k=3, max_tokens=20,
+                         sampling=SamplingParams(0.8, top_p=0.9, seed=11))
+    decoder.insert(refs[3][0], draft="mtp", k=4, max_tokens=20)
+    out = []
+    while len(decoder):
+        out += [t.id for t in decoder.step().get(uid, [])]
+    assert out == alone
+
+
+def test_mtp_names_the_head_only_where_one_is_loaded(mtp):
+    _, (target, head, tok), _, refs, _ = mtp["qwen3"]
+    assert isinstance(head, MtpHead) and head.target is target
+    other, _, _ = load_models(str(mtp["qwen3"][0]), "none", dtype="float32")
+    from tinydraft_mlx import ParameterError
+
+    with pytest.raises(ParameterError, match="mtp"):
+        generate(other, "mtp", tok, refs[0][0], max_tokens=2)
