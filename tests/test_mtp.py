@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -48,7 +49,6 @@ from tinydraft_mlx import (
     load_head,
     load_models,
 )
-from tinydraft_mlx.engine import hidden
 from tinydraft_mlx.engine.chains import HeadChain
 from tinydraft_mlx.engine.mtp import attach
 
@@ -143,16 +143,14 @@ def test_the_heads_logits_equal_an_independent_reference(mtp, family):
     target_dir, (target, head, tok), _, refs, oracle = mtp[family]
     ids = refs[0][0] + refs[0][1][:8]
     expected, states = _reference_head(target_dir, family, oracle, ids)
-    with hidden.capture() as seen:  # our target's own states, as the engine captures them
-        target(mx.array([ids]))
-    ours = np.array(seen[-1][0, :-1])
-    np.testing.assert_allclose(ours, np.asarray(states), atol=2e-4, rtol=1e-4)
-    logits, _ = head(mx.array([ids[1:]]), None, hidden=seen[-1][:, :-1])
+    ours = head.target_states(ids)  # our target's own states, as the engine captures them
+    np.testing.assert_allclose(np.array(ours[0, :-1]), np.asarray(states), atol=2e-4, rtol=1e-4)
+    logits, _ = head(mx.array([ids[1:]]), None, hidden=ours[:, :-1])
     got = np.array(logits[0]).astype(np.float64)
     assert np.abs(got - expected).max() < 2e-3 * max(1.0, np.abs(expected).max()), \
         np.abs(got - expected).max()
     # the control: the same head fed its two inputs the other way round is far off
-    wrong, _ = head(mx.array([ids[:-1]]), None, hidden=seen[-1][:, 1:])
+    wrong, _ = head(mx.array([ids[:-1]]), None, hidden=ours[:, 1:])
     assert np.abs(np.array(wrong[0]) - expected).max() > 0.1
 
 
@@ -163,10 +161,9 @@ def test_the_deepseek_layout_gives_the_same_head(mtp, tmp_path):
     write_mtp(target_dir, "qwen3", layout="deepseek", into="deep.safetensors")
     other = load_head(target, target_dir / "deep.safetensors")
     ids = mx.array([refs[0][0]])
-    with hidden.capture() as seen:
-        target(ids)
-    a, _ = head(ids[:, 1:], None, hidden=seen[-1][:, :-1])
-    b, _ = other(ids[:, 1:], None, hidden=seen[-1][:, :-1])
+    states = head.target_states(refs[0][0])
+    a, _ = head(ids[:, 1:], None, hidden=states[:, :-1])
+    b, _ = other(ids[:, 1:], None, hidden=states[:, :-1])
     assert mx.array_equal(a, b)
     attach(target, head)  # the fixture's head is the target's again
 
@@ -238,8 +235,8 @@ def test_batches_equal_the_oracle(mtp, family):
         outs = batch_generate(target, head, tok, prompts, k=k, max_tokens=NEW)
         assert [o for o, _ in outs] == [ref for _, ref in refs[:3]], (family, k)
     # eight rows, each drafting its own way, in one batch: MTP, the draft model, prompt lookup,
-    # lookup + MTP, none; ragged lengths, rows leaving early
-    decoder = BatchDecoder(target, draft)
+    # lookup + MTP, none; ragged lengths, rows leaving early, prompts prefilled 7 tokens a step
+    decoder = BatchDecoder(target, draft, prefill_step=7)
     kinds = ["mtp", "model", "prompt-lookup", Hybrid(head), None, "mtp", "mtp", "model"]
     ks = [2, 3, 4, 3, 0, "auto", 5, 2]
     uids = {}
@@ -308,3 +305,93 @@ def test_mtp_names_the_head_only_where_one_is_loaded(mtp):
 
     with pytest.raises(ParameterError, match="mtp"):
         generate(other, "mtp", tok, refs[0][0], max_tokens=2)
+
+
+# -- everywhere a drafter goes ------------------------------------------------------------------
+def test_prompt_caches_with_the_mtp_layer(mtp):
+    """A prompt cache keeps the target's cache; the head is fed from the first new token on (its
+    cache needs states the prompt cache does not hold): exact, and drafting resumes."""
+    from tinydraft_mlx import PromptCache
+
+    _, (target, head, tok), _, refs, oracle = mtp["qwen3"]
+    ids, ref = refs[0]
+    cache = PromptCache(target, "mtp")
+    out, stats = generate(target, "mtp", tok, ids, k=3, max_tokens=12, prompt_cache=cache)
+    assert out == ref[:12] and cache.draft_cache is None
+    longer = ids + out + tok.encode("\n    return")
+    out2, stats2 = generate(target, head, tok, longer, k=3, max_tokens=16, prompt_cache=cache)
+    assert stats2.cached_tokens == len(ids) + len(out) - 1
+    assert out2 == oracle.greedy(longer, 16)[0] and stats2.drafted > 0
+    whole = PromptCache(target)  # every prompt token but the last cached: a plain first round
+    generate(target, None, tok, ids, max_tokens=1, prompt_cache=whole)
+    out3, _ = generate(target, "mtp", tok, ids + ref[:1], k=2, max_tokens=8, prompt_cache=whole)
+    assert out3 == ref[1:9]
+
+
+def test_the_server_serves_mtp_beside_a_draft_model(mtp):
+    """Qwen3-Next served with its draft model and --mtp, batches of 8: concurrent greedy
+    requests drafting with "mtp", "model", "hybrid" and none each return the oracle's tokens,
+    and the metrics count drafts per kind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_server import Served
+    from tinydraft_mlx import server
+
+    target_dir, _, _, refs, _ = mtp["qwen3_next"]
+    args = server.setup_arg_parser().parse_args(
+        ["--target", str(target_dir), "--draft", str(target_dir.parent / "draft"), "--mtp",
+         "--max-batch", "8", "--model-name", "m"])
+    served = Served(server.build_app(args))
+    kinds = ["mtp", "model", "hybrid", "none"]
+    try:
+        client = served.client()
+
+        def ask(i: int) -> list[int]:
+            ids, _ = refs[i % len(refs)]
+            r = client.completions.create(
+                model="m", prompt=ids, max_tokens=12, temperature=0.0,
+                extra_body={"draft": kinds[i % 4], "num_draft_tokens": 3})
+            return r.choices[0].model_extra["tinydraft"]["token_ids"]
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        for i, tokens in enumerate(answers):
+            assert tokens == refs[i % len(refs)][1][:12], i
+        metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
+        assert 'tinydraft_draft_tokens_total{draft="mtp"}' in metrics
+    finally:
+        served.close()
+
+
+def test_a_server_without_the_mtp_layer_refuses_mtp_requests(mtp):
+    from tests.test_server import Served
+    from tinydraft_mlx import server
+
+    target_dir = mtp["qwen3"][0]
+    args = server.setup_arg_parser().parse_args(
+        ["--target", str(target_dir), "--draft", "none", "--model-name", "m"])
+    served = Served(server.build_app(args))
+    try:
+        r = httpx.post(f"{served.url}/v1/completions", timeout=30, json={
+            "model": "m", "prompt": "x", "max_tokens": 2, "draft": "mtp"})
+        assert r.status_code == 400 and "--mtp" in r.json()["error"]["message"]
+    finally:
+        served.close()
+
+
+def test_the_check_tool_and_the_cli_take_mtp(mtp, tmp_path, capsys):
+    import json
+
+    from tinydraft_mlx.programs.check import main as check
+    from tinydraft_mlx.programs.cli import main as cli
+
+    target_dir = mtp["qwen3_5"][0]
+    report = tmp_path / "check.json"
+    assert check(["--target", str(target_dir), "--draft", "mtp", "--quick",
+                  "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["greedy_identical"] and data["drafts"][0]["costs"]["t_d"] > 0
+    assert "result: EXACT" in capsys.readouterr().out
+    assert cli(["--target", str(target_dir), "--draft", "mtp", "--prompt", "x = 1",
+                "--max-tokens", "8", "-k", "2", "--verbose"]) == 0
+    assert "draft: mtp" in capsys.readouterr().err

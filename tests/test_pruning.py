@@ -198,7 +198,8 @@ def test_load_models_prunes_and_the_cli_flag(demo, capsys):
     for argv, message in [(["--draft-vocab", "0"], "--draft-vocab must be an integer in [1, 4096]"
                            " (the draft's vocabulary) (got 0)"),
                           (["--draft-vocab", "8", "--draft", "none"], "--draft-vocab must be "
-                           "used with a draft model (not prompt lookup or none) (got 'none')"),
+                           "used with a draft model (not prompt lookup, mtp or none) "
+                           "(got 'none')"),
                           (["--draft-vocab", "8", "--draft", "prompt-lookup"], "(got "
                            "'prompt-lookup')"),
                           (["--draft-vocab-counts", "counts.json"], "--draft-vocab-counts must "

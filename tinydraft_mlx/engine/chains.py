@@ -4,13 +4,13 @@ or a `SingleCache`), catches them up on what they missed, runs max(k) steps for 
 once, sampling each row from its own warped q, and rolls them back to what was accepted.
 
 `ModelChain`: a draft model, fed token ids. Its row holds a prefix of the row's sequence.
-`HeadChain`: the target's MTP layer (mtp.py), fed ids with the target's final states beside
-them. Its row's cache entry i is the pair (h_i, x_{i+1}); the chain keeps per row how many tokens
-of the sequence the head has consumed (entries + `skip`) and the target states it has not read
-yet (positions consumed - 1 onward, one per token it will consume). A chain step's entry reads the
-head's own output instead of a target state, so after the verify every row goes back to the
-entries made from target states, and the verify's states of the accepted positions wait for
-the next round.
+`HeadChain`: a head that reads the target's states (hidden.StateHead: the MTP layer, mtp.py;
+an EAGLE-3 head, eagle.py), fed ids with the states beside them. Its row's cache entry i is the
+pair (h_i, x_{i+1}); the chain keeps per row how many tokens of the sequence the head has
+consumed (entries + `skip`) and the target states it has not read yet (positions consumed - 1
+onward, one per token it will consume). A chain step's entry reads the head's own output
+instead of a target state, so after the verify every row goes back to the entries made from
+target states, and the verify's states of the accepted positions wait for the next round.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ class Chain:
         self.uids: list[int] = []  # its rows, in cache row order
 
     # -- rows in and out ---------------------------------------------------------------------
-    def admit(self, row: Any, cache: Cache, budget: int | None, states: list[mx.array],
+    def admit(self, row: Any, cache: Cache, budget: int | None, seen: list,
               start: int = 0) -> tuple[int, bool]:
         """Prefill a joining row's one-sequence cache (all of its sequence but the last token),
-        at most `budget` tokens (None: all): (tokens fed, whether it is done). `states`, `start`:
-        the target states of its prefill from position `start` (a head's chain reads them)."""
+        at most `budget` tokens (None: all): (tokens fed, whether it is done). `seen`, `start`:
+        the capture of the target's prefill from position `start` (a head's chain reads it)."""
         todo = row.seq[cache_length(cache) : -1]
         budget = len(todo) if budget is None else budget
         prefill(self.model, cache, todo[:budget])
@@ -91,12 +91,11 @@ class Chain:
         self.uids = [uid for uid in self.uids if uid not in gone]
 
     # -- a round -----------------------------------------------------------------------------
-    def commit(self, by_uid: dict[int, tuple[Any, int, bool, int]],
-               states: mx.array | None) -> None:
+    def commit(self, by_uid: dict[int, tuple[Any, int, bool, int]], seen: list | None) -> None:
         """The round is booked: each row keeps what it saw of the accepted sequence (`by_uid`:
         uid -> (row, its length at the proposal, whether the chain skipped it, its batch index);
-        a skipped row was fed padding past that length). `states`: the verify's target states
-        (a head's chain reads them)."""
+        a skipped row was fed padding past that length). `seen`: the verify's capture of the
+        target's states (a head's chain reads them)."""
         keep = []
         for uid, length in zip(self.uids, self.caches.lengths):
             row, before, idle, _ = by_uid[uid]
@@ -233,7 +232,7 @@ class _Feed:
 
 
 class HeadChain(Chain):
-    """The target's MTP head's chain (see the module docstring); `feeds`: each row's `_Feed`."""
+    """A state-reading head's chain (see the module docstring); `feeds`: each row's `_Feed`."""
 
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         super().__init__(model, caches, chunk, width)
@@ -244,11 +243,12 @@ class HeadChain(Chain):
         feed = self.feeds.get(uid)
         return feed is not None and feed.skip is not None and bool(feed.states)
 
-    def admit(self, row: Any, cache: Cache, budget: int | None, states: list[mx.array],
+    def admit(self, row: Any, cache: Cache, budget: int | None, seen: list,
               start: int = 0) -> tuple[int, bool]:
-        """Take the states of the target's prefill of this row (positions `start` on) and feed
-        the head every token it can pair with one, up to the sequence's last but one (the last
-        waits for the first draft step)."""
+        """Take the states of the target's prefill of this row (positions `start` on, in the
+        capture `seen`) and feed the head every token it can pair with one, up to the
+        sequence's last but one (the last waits for the first draft step)."""
+        states = self.model.read(seen)
         feed = self.feeds.setdefault(row.uid, _Feed())
         if feed.skip is None and states:
             feed.skip = start + 1 - cache_length(cache)
@@ -256,14 +256,15 @@ class HeadChain(Chain):
         if feed.skip is None:
             return 0, True
         fed = cache_length(cache) + feed.skip
-        todo = max(0, len(row.seq) - 1 - fed)
         pending = _joined(feed.states)
+        available = 0 if pending is None else pending.shape[0]  # a prefill chunk's so far
+        todo = max(0, min(len(row.seq) - 1 - fed, available))
         for at in range(0, todo, PREFILL_STEP):
             n = min(PREFILL_STEP, todo - at)
             tokens = mx.array([row.seq[fed + at : fed + at + n]], dtype=mx.int32)
             forward(self.model, tokens, cache, hidden=pending[None, at : at + n])
             mx.eval([layer.state for layer in cache])
-        feed.states = [pending[todo:]] if todo < pending.shape[0] else []
+        feed.states = [pending[todo:]] if todo < available else []
         return 0, True
 
     def leave(self, rows: list[Any]) -> dict[int, Cache]:
@@ -277,10 +278,10 @@ class HeadChain(Chain):
             self.feeds.pop(r.uid, None)
         return {}
 
-    def commit(self, by_uid: dict[int, tuple[Any, int, bool, int]],
-               states: mx.array | None) -> None:
+    def commit(self, by_uid: dict[int, tuple[Any, int, bool, int]], seen: list | None) -> None:
         """Every row goes back to the entries made from target states (at most its length at
         the proposal) and takes the verify's states of its accepted positions."""
+        states = self.model.read(seen)[-1] if seen else None
         keep = []
         for uid, length in zip(self.uids, self.caches.lengths):
             row, before, _, b = by_uid[uid]

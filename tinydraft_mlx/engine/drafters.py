@@ -1,9 +1,10 @@
 """Draft sources, batched by construction, and the one resolver that turns the user's `draft`
 argument into one: a draft model (a `PrunedDraft` is one too), the target's own MTP layer
-(`MtpHead`, "mtp"), prompt lookup, both a model (or the MTP layer) and lookup (`Hybrid`: each
+(`MtpHead`, "mtp") or an EAGLE-3 head (`Eagle3Head`), prompt lookup, both a model (or a head)
+and lookup (`Hybrid`: each
 round from whichever has recently given more tokens per second), or none.
 
-Two parts. A row's *source* (`NoDraft`, `LookupDraft`, `ModelDraft`, `MtpDraft`, `HybridDraft`)
+Two parts. A row's *source* (`NoDraft`, `LookupDraft`, `ModelDraft`, `HeadDraft`, `HybridDraft`)
 is the per-sequence state: `host_proposal(k)` gives a proposal made on the host (prompt lookup's
 ids, possibly none) or None where its model should draft the row; `settle(keep)` ends a round
 (the first `keep` tokens of the sequence are accepted). `Drafting` is the batch's proposer: it
@@ -27,8 +28,9 @@ import mlx.nn as nn
 
 from .cache import Cache
 from .chains import Chain, HeadChain, ModelChain
+from .hidden import StateHead
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
-from .mtp import MTP, MtpHead, head_of
+from .mtp import MTP, head_of
 from .policy_store import fingerprint
 from .sampling import ParameterError
 
@@ -84,11 +86,13 @@ class ModelDraft:
         pass
 
 
-class MtpDraft(ModelDraft):
-    """The target's own MTP layer (mtp.py): drafted by the batch's head chain every round, from
-    the target's final states."""
+class HeadDraft(ModelDraft):
+    """A head that reads the target's states (the target's own MTP layer, mtp.py; an EAGLE-3
+    head, eagle.py): drafted by the batch's chain of that head every round."""
 
-    name = MTP
+    def __init__(self, model: StateHead) -> None:
+        super().__init__(model)
+        self.name = model.kind
 
 
 class LookupDraft:
@@ -205,19 +209,19 @@ class HybridDraft:
 
 def resolve_drafter(draft: object, model: nn.Module | None = None,
                     target: nn.Module | None = None) -> Source:
-    """The source for a `draft` argument: a model, an `MtpHead`, "prompt-lookup" or a
-    `PromptLookup`, a `Hybrid`, None or "none" (plain decoding), or a source already resolved
-    (returned as it is); with a batch's draft `model`, also "model" and "hybrid" (that model,
-    alone or with prompt lookup); with a `target` whose MTP head is loaded (mtp.load_mtp), also
-    "mtp". ParameterError for anything else."""
+    """The source for a `draft` argument: a model, a head (`MtpHead`, `Eagle3Head`),
+    "prompt-lookup" or a `PromptLookup`, a `Hybrid`, None or "none" (plain decoding), or a
+    source already resolved (returned as it is); with a batch's draft `model`, also "model" and
+    "hybrid" (that model, alone or with prompt lookup); with a `target` whose MTP head is loaded
+    (mtp.load_mtp), also "mtp". ParameterError for anything else."""
     if isinstance(draft, str) and draft.lower() == MTP:
         head = head_of(target)
         if head is None:
             raise ParameterError("draft", '"mtp" with a target whose MTP layer is loaded '
                                  '(load_models(draft="mtp"))', draft)
-        return MtpDraft(head)
-    if isinstance(draft, MtpHead):
-        return MtpDraft(draft)
+        return HeadDraft(head)
+    if isinstance(draft, StateHead):
+        return HeadDraft(draft)
     if isinstance(draft, str) and draft in (MODEL, HYBRID):
         if model is None:
             raise ParameterError("draft", f'not "{draft}" in a decoder without a draft model',
@@ -225,7 +229,7 @@ def resolve_drafter(draft: object, model: nn.Module | None = None,
         return ModelDraft(model) if draft == MODEL else HybridDraft(Hybrid(model))
     if draft is None:
         return NoDraft()
-    if isinstance(draft, (NoDraft, ModelDraft, MtpDraft, LookupDraft, HybridDraft)):
+    if isinstance(draft, (NoDraft, ModelDraft, LookupDraft, HybridDraft)):
         return draft
     if isinstance(draft, PromptLookup):
         return LookupDraft(draft)
@@ -245,8 +249,13 @@ def resolve_drafter(draft: object, model: nn.Module | None = None,
 
 
 def draft_model(draft: object) -> nn.Module | None:
-    """The model behind a `draft` argument (None for prompt lookup and plain decoding)."""
-    return resolve_drafter(draft).model
+    """The draft model behind a `draft` argument whose cache a caller may keep: None for prompt
+    lookup, plain decoding and the target's MTP layer (its cache needs the target's states,
+    which a kept cache does not hold: the batch builds it)."""
+    if isinstance(draft, str) and draft.lower() == MTP:
+        return None
+    model = resolve_drafter(draft).model
+    return None if isinstance(model, StateHead) else model
 
 
 def point_mass(tokens: mx.array, width: int) -> mx.array:
@@ -316,12 +325,12 @@ class Drafting:
     `SingleCache`); `chunk`: the most tokens a catch-up feeds per forward; `width`: the target's
     vocabulary width (processors know its ids)."""
 
-    def __init__(self, model: nn.Module | None, head: MtpHead | None,
+    def __init__(self, model: nn.Module | None, heads: list[StateHead],
                  rows: Callable[[nn.Module], Any], chunk: int, width: int | None) -> None:
         self.chains: dict[int, Chain] = {}
         if model is not None:
             self.chains[id(model)] = ModelChain(model, rows(model), chunk, width)
-        if head is not None:
+        for head in heads:
             self.chains[id(head)] = HeadChain(head, rows(head), chunk, width)
 
     def caches(self) -> list[Any]:
@@ -331,7 +340,7 @@ class Drafting:
     def reads_states(self, rows: list[Any]) -> bool:
         """Whether a row among `rows` drafts from the target's states (its verify and prefill
         must capture them)."""
-        return any(isinstance(r.source.model, MtpHead) for r in rows)
+        return any(isinstance(r.source.model, StateHead) for r in rows)
 
     def check(self, source: Source) -> None:
         """ParameterError unless this batch can draft for `source`."""
@@ -340,13 +349,13 @@ class Drafting:
                                  "prompt lookup or None", type(source.model).__name__)
 
     def admit(self, row: Any, cache: Cache | None, budget: int | None,
-              states: list[mx.array] = (), start: int = 0) -> tuple[int, bool]:
+              seen: list = (), start: int = 0) -> tuple[int, bool]:
         """Prefill a joining row's one-sequence draft cache (all of its sequence but the last
-        token), at most `budget` tokens (None: all): (tokens fed, whether it is done). `states`:
-        the target's final states of its prefill from position `start` (an MTP row reads them)."""
+        token), at most `budget` tokens (None: all): (tokens fed, whether it is done). `seen`:
+        the capture of the target's prefill from position `start` (a head's row reads it)."""
         if row.source.model is None or cache is None:
             return 0, True
-        return self.chains[id(row.source.model)].admit(row, cache, budget, list(states), start)
+        return self.chains[id(row.source.model)].admit(row, cache, budget, list(seen), start)
 
     def join(self, rows: list[Any], caches: list[Cache | None]) -> None:
         """Rows enter the batch (after the target's rows), with their draft caches."""
@@ -403,15 +412,15 @@ class Drafting:
         return Proposals(ks, host, chain, chain_rows, q)
 
     def commit(self, rows: list[Any], befores: list[int], proposals: Proposals,
-               states: mx.array | None = None) -> None:
+               seen: list | None = None) -> None:
         """The round is booked (each row's `seq` holds what it accepted): every source settles,
         and each chain's rows keep what they saw of the accepted sequence (a host row was fed
-        the chain's padding past `before`, its length at the proposal). `states`: the verify's
-        (B, L, D) target states, where an MTP row is in the batch."""
+        the chain's padding past `before`, its length at the proposal). `seen`: the verify's
+        capture of the target's states, where a head's row is in the batch."""
         for row in rows:
             row.source.settle(len(row.seq) - 1)
         by_uid = {r.uid: (r, before, j is None, b)
                   for b, (r, before, j) in enumerate(zip(rows, befores, proposals.chain_rows))}
         for chain in self.chains.values():
             if chain.uids:
-                chain.commit(by_uid, states)
+                chain.commit(by_uid, seen)

@@ -128,15 +128,18 @@ class _Compiled:
         self.step = self._compile(_Slot)
         self.ring_steps: dict[tuple[int, int, int], Callable] = {}
         self.shapes: set[tuple] = set()
+        self.tags: list[Any] = []  # what the step's last output holds (set when it traces)
 
     def _compile(self, slot: Callable[..., Any]) -> Callable:
-        model = self.model
+        model, state = self.model, self
 
         def step(tokens, offset, keys, values):
             slots = [slot(k, v, offset) for k, v in zip(keys, values)]
-            with hidden.capture() as seen:  # a watched model's final states (hidden.py)
+            with hidden.capture() as seen:  # a watched model's states (hidden.py)
                 logits = model(tokens, cache=slots)
-            return logits, [s.keys for s in slots], [s.values for s in slots], seen
+            state.tags = [tag for tag, _ in seen]  # the same at every trace of this model
+            return (logits, [s.keys for s in slots], [s.values for s in slots],
+                    [a for _, a in seen])
 
         # the parameters are inputs, read at every call: a closure's arrays would be frozen into
         # the trace as constants, so a weight changed later (model.update, adapters, training)
@@ -249,7 +252,7 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any], **inputs: Any)
     logits, keys, values, seen = step(tokens, mx.array(offset, dtype=mx.int32),
                                       [layer.keys for layer in cache],
                                       [layer.values for layer in cache])
-    hidden.record(seen)
+    hidden.record(state.tags, seen)
     for layer, k, v in zip(cache, keys, values):
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
@@ -289,7 +292,7 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any)
         logits, keys, values, seen = state.step(tokens, cache.offsets(),
                                                 [layer.keys for layer in cache.layers],
                                                 [layer.values for layer in cache.layers])
-        hidden.record(seen)
+        hidden.record(state.tags, seen)
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values = k, v
     cache.advance(n)
@@ -381,7 +384,7 @@ def prefill(
             logits = model(inputs, cache=cache)
             if start >= cut:
                 rows.append(logits[0])
-        mx.eval([layer.state for layer in cache], rows, hidden.active() or [])
+        mx.eval([layer.state for layer in cache], rows, hidden.active())
         if end < len(tokens):
             mx.clear_cache()  # as mlx-lm: free the chunk's temporaries before the next one
         if progress is not None:

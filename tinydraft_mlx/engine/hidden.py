@@ -1,16 +1,21 @@
-"""The target's final hidden states, for drafters that read them (an MTP layer).
+"""The target's hidden states, for drafters that read them (an MTP layer, an EAGLE-3 head).
 
-What a head reads is what the target's LM head reads: the output of the body's final norm (the
-states vLLM and SGLang hand to Qwen3-Next / Qwen3.5 / DeepSeek MTP layers). `watch(model)` swaps
-that norm's class, once, for a subclass that appends its output to the list of the `capture()`
-open on this thread (outside one it is a pass-through), so every forward path (the eager one,
-the compiled step, the chunked prefill, a batch's forward) yields them without a second copy of
-mlx-lm's model code. A compiled step records inside its trace and returns the states as one more
-output (forward.py), so a watched model's traces are dropped once, when it becomes watched.
+Two kinds of states are read: the final one, what the target's LM head reads (the output of the
+body's final norm: the states vLLM and SGLang hand to Qwen3-Next / Qwen3.5 / DeepSeek MTP
+layers), tagged FINAL; and the residual stream after a decoder layer j, tagged ("after", j)
+(EAGLE-3's low / mid / high states: "layer i" in vLLM's and speculators' terms is the input of
+layer i, the output of layer i - 1). `watch(model, after=...)` swaps those modules' classes,
+once, for subclasses that append (tag, output) to the list of the `capture()` open on this
+thread (outside one they are pass-throughs), so every forward path (the eager one, the compiled
+step, the chunked prefill, a batch's forward) yields them without a second copy of mlx-lm's
+model code. A compiled step records inside its trace and returns the states as more outputs
+(forward.py), so a model's traces are dropped whenever what it records changes.
 
-Cost: none in compute (the norm runs anyway); a captured state is kept only as long as the
-caller holds it ((positions, hidden size) per forward: a verify of k + 1 positions, or a prefill
-chunk).
+`StateHead` is what such a drafter is: a module over its target, called as a draft model is but
+with the states beside the ids (`head(tokens, cache, hidden=states)` -> (logits over the
+target's vocabulary, the states its next step reads)), which says what it reads from a capture
+(`read`). Cost: none in compute (the modules run anyway); a captured state is kept only as long
+as the caller holds it.
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+FINAL = "final"
 _local = threading.local()  # .seen: the open capture's list on this thread
-_WATCHED = "_tinydraft_watched"
-_CLASSES: dict[type, type] = {}
+_WATCHED = "_tinydraft_watched"  # per model: the set of tags it records
+_CLASSES: dict[tuple[type, Any], type] = {}
 NORMS = ("norm", "norm_f", "final_layernorm")  # the body's final norm, by mlx-lm's names
+
+Seen = list[tuple[Any, mx.array]]
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -55,47 +64,46 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _watching(cls: type) -> type:
-    made = _CLASSES.get(cls)
+def _recording(cls: type, tag: Any) -> type:
+    made = _CLASSES.get((cls, tag))
     if made is None:
         def __call__(self, *args, **kwargs):
             out = cls.__call__(self, *args, **kwargs)
             seen = getattr(_local, "seen", None)
             if seen is not None:
-                seen.append(out)
+                seen.append((tag, out))
             return out
 
-        made = _CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+        made = _CLASSES[cls, tag] = type(cls.__name__, (cls,), {"__call__": __call__})
     return made
 
 
-def watch(model: nn.Module) -> bool:
-    """Make the model's final hidden states capturable (idempotent); False where the model has
-    no final norm this module knows."""
-    if model.__dict__.get(_WATCHED):
+def watch(model: nn.Module, after: tuple[int, ...] = ()) -> bool:
+    """Make the model's final states, and the outputs of decoder layers `after`, capturable
+    (idempotent); False where a module to watch cannot be found (nothing changes then)."""
+    tags = {FINAL, *(("after", j) for j in after)}
+    done = model.__dict__.setdefault(_WATCHED, set())
+    if tags <= done:
         return True
-    norm = final_norm(model)
-    if norm is None:
+    norm, layers = final_norm(model), list(getattr(text_model(model), "layers", []))
+    if norm is None or any(not 0 <= j < len(layers) for j in after):
         return False
-    norm.__class__ = _watching(type(norm))
-    model.__dict__[_WATCHED] = True
-    from . import forward  # a compiled step traced before now would not record
+    for tag in tags - done:
+        module = norm if tag == FINAL else layers[tag[1]]
+        module.__class__ = _recording(type(module), tag)
+    done |= tags
+    from . import forward  # a compiled step traced before now would not record these
 
     forward.reset(model)
     return True
 
 
-def watched(model: nn.Module) -> bool:
-    """Whether `watch(model)` has run."""
-    return bool(getattr(model, "__dict__", {}).get(_WATCHED))
-
-
 @contextmanager
-def capture() -> Iterator[list[mx.array]]:
-    """A list that receives the (..., L, D) output of every watched norm run on this thread
-    inside the block (a compiled step's too: forward.py adds its returned states)."""
+def capture() -> Iterator[Seen]:
+    """A list that receives (tag, output) from every watched module run on this thread inside
+    the block (a compiled step's too: forward.py adds what it returned)."""
     outer = getattr(_local, "seen", None)
-    seen: list[mx.array] = []
+    seen: Seen = []
     _local.seen = seen
     try:
         yield seen
@@ -103,13 +111,44 @@ def capture() -> Iterator[list[mx.array]]:
         _local.seen = outer
 
 
-def record(states: list[mx.array]) -> None:
+def record(tags: list[Any], states: list[mx.array]) -> None:
     """Hand states computed elsewhere (a compiled step's outputs) to the open capture, if any."""
     seen = getattr(_local, "seen", None)
     if seen is not None:
-        seen.extend(states)
+        seen.extend(zip(tags, states))
 
 
-def active() -> list[mx.array] | None:
-    """The open capture's list on this thread, None outside one."""
-    return getattr(_local, "seen", None)
+def active() -> list[mx.array]:
+    """The arrays of the open capture on this thread ([] outside one)."""
+    return [a for _, a in getattr(_local, "seen", None) or []]
+
+
+def last(seen: Seen, tag: Any) -> mx.array | None:
+    """The latest state of `tag` in a capture, None if there is none."""
+    return next((a for t, a in reversed(seen) if t == tag), None)
+
+
+def gathered(seen: Seen, tag: Any) -> list[mx.array]:
+    """Every state of `tag` in a capture, in order (a chunked prefill's chunks)."""
+    return [a for t, a in seen if t == tag]
+
+
+class StateHead(nn.Module):
+    """A drafter that reads its target's states (see the module docstring). Subclasses set
+    `kind` (its drafter name) and implement `__call__`, `read` and `make_cache`."""
+
+    kind = "head"
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "target", target)  # shared, not a parameter of the head
+
+    def read(self, seen: Seen) -> list[mx.array]:
+        """The (..., L, D') states this head reads, per forward of a capture, in order."""
+        raise NotImplementedError
+
+    def target_states(self, ids: list[int]) -> mx.array:
+        """What this head reads over `ids`, (1, len(ids), D'), from one uncached forward."""
+        with capture() as seen:
+            self.target(mx.array([ids]))
+        return self.read(seen)[-1]

@@ -52,21 +52,21 @@ class MtpError(ValueError):
     """A checkpoint has no usable MTP layer; the message is one sentence for the user."""
 
 
-class MtpHead(nn.Module):
+class MtpHead(hidden.StateHead):
     """An MTP layer over its target (see the module docstring). Called as a draft model is, with
-    the target's states beside the ids: `head(tokens, cache, hidden=states)` -> (logits, out),
-    tokens (B, L), states (B, L, D) (state i is the one before token i), out the (B, L, D) states
-    a next step reads."""
+    the target's final states beside the ids: `head(tokens, cache, hidden=states)` -> (logits,
+    out), tokens (B, L), states (B, L, D) (state i is the one before token i), out the (B, L, D)
+    states a next step reads. The target's embeddings and head are shared, not its parameters."""
+
+    kind = MTP
 
     def __init__(self, target: nn.Module, layer: nn.Module, hidden_size: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(target)
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
         self.layers = [layer]
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
-        # the target's embeddings and head are shared, not parameters of the head
-        object.__setattr__(self, "target", target)
 
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None,
                  hidden: mx.array | None = None) -> tuple[mx.array, mx.array]:
@@ -83,6 +83,10 @@ class MtpHead(nn.Module):
     def make_cache(self) -> list[Any]:
         """One KV cache: the layer's."""
         return [KVCache()]
+
+    def read(self, seen: hidden.Seen) -> list[mx.array]:
+        """The target's final states in a capture."""
+        return hidden.gathered(seen, hidden.FINAL)
 
 
 def _stack(target: nn.Module) -> nn.Module:
@@ -123,14 +127,11 @@ def read_tensors(path: str | Path, layers: int) -> dict[str, mx.array]:
     copies of the embeddings and head dropped). {} where there are none."""
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    index = path / "model.safetensors.index.json"
     deep = f"model.layers.{layers}."
-    if index.is_file():  # read only the shards that hold MTP tensors
-        names = json.loads(index.read_text()).get("weight_map", {})
-        wanted = {f for k, f in names.items() if k.startswith(("mtp.", deep))}
-        files = [f for f in files if f.name in wanted or f.name not in names.values()]
     out: dict[str, mx.array] = {}
-    for file in files:
+    for file in files:  # only files whose header names MTP tensors are read
+        if not any(key.startswith(("mtp.", deep)) for key in _tensor_names(file)):
+            continue
         for key, value in mx.load(str(file)).items():
             if key.startswith("mtp."):
                 name = key.removeprefix("mtp.")
@@ -150,6 +151,14 @@ def read_tensors(path: str | Path, layers: int) -> dict[str, mx.array]:
                 continue  # a second MTP layer: not used (module docstring)
             out[name] = value
     return out
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensor names a safetensors file holds, from its header (nothing else is read)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return [key for key in header if key != "__metadata__"]
 
 
 def _experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -170,8 +170,8 @@ def prune_draft(draft: nn.Module, tokenizer: Any, n: int,
     vocabulary; VocabError for a counts file of another tokenizer."""
     width = getattr(getattr(draft, "args", None), "vocab_size", None)
     if not isinstance(draft, nn.Module) or width is None:
-        raise ParameterError("draft_vocab", "used with a draft model (not prompt lookup or none)",
-                             _draft_name(draft))
+        raise ParameterError("draft_vocab", "used with a draft model (not prompt lookup, mtp or "
+                             "none)", _draft_name(draft))
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= width:
         raise ParameterError("draft_vocab", f"an integer in [1, {width}] (the draft's "
                              "vocabulary)", n)

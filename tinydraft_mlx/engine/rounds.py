@@ -53,8 +53,8 @@ from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reachable
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
-from .hidden import capture, watch
-from .mtp import MtpHead, head_of
+from .hidden import StateHead, capture, watch
+from .mtp import head_of
 from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, Acceptance, choose, sampling_regime, shared_policy
 from .rejection import greedy_accept_ids
 from .sampling import ParameterError, Processor, SamplingParams
@@ -167,17 +167,20 @@ class BatchDecoder:
                  prefill_step: int = PREFILL_STEP, single: bool = False) -> None:
         self.ranks = ranks_of(target)
         # the target's MTP layer drafts with its own chain (mtp.py), given here or attached
-        head = draft if isinstance(draft, MtpHead) else head_of(target)
-        draft = None if isinstance(draft, MtpHead) else draft
-        if head is not None:
+        # heads that read the target's states draft with chains of their own (chains.py): the
+        # target's MTP layer where one is attached (mtp.py), and `draft` when it is a head
+        heads = [h for h in (head_of(target), draft) if isinstance(h, StateHead)]
+        heads = list({id(h): h for h in heads}.values())
+        draft = None if isinstance(draft, StateHead) else draft
+        for head in heads:
             if head.target is not target:
-                raise ParameterError("draft", "an MTP head of this target", "another model's")
-            watch(target)
+                raise ParameterError("draft", "a head of this target", "another model's")
+            watch(target, getattr(head, "after", ()))
         self.single = single or unbatchable(target, draft) is not None
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         self.margin = max_k + 1
-        kinds = {id(m): layer_kinds(m) for m in (target, draft, head) if m is not None}
+        kinds = {id(m): layer_kinds(m) for m in (target, draft, *heads) if m is not None}
         # bounded and sliding-window rows, and recurrent ones, roll back at most margin + 1
         # positions: k is at most max_k, and a batch's padded catch-up forwards are no longer
         self.limited = max_kv_size is not None or any(
@@ -191,7 +194,7 @@ class BatchDecoder:
         self.target_cache = rows(target)
         self.width = vocab_width(target)
         chunk = self.margin + 1 if self.limited and not self.single else prefill_step
-        self.drafting = Drafting(draft, head, rows, chunk, self.width)
+        self.drafting = Drafting(draft, heads, rows, chunk, self.width)
         self.rows: list[_Row] = []  # in the batch, in cache row order
         self.pending: list[_Row] = []  # prefilling, first come first served
         self.finished: dict[int, Finished] = {}
@@ -248,7 +251,9 @@ class BatchDecoder:
                              f"sliding-window or recurrent layers (got {k_cap})")
         if target_cache is None:
             target_cache = make_cache(self.target, self.max_kv_size, self.margin)
-        if source.model is not None and draft_cache is None:
+        if isinstance(source.model, StateHead) or (source.model is not None
+                                                   and draft_cache is None):
+            # a head's cache is the batch's own, fed from the target's states (chains.py)
             draft_cache = make_cache(source.model, self.max_kv_size, self.margin)
         for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
             if cache is not None and cache_length(cache) > len(prompt) - 1:
@@ -352,15 +357,15 @@ class BatchDecoder:
             chunk = todo if left >= len(todo) else todo[: int(left)]
             done = None if progress is None else _progress(progress, len(todo))
             start, at = time.perf_counter(), cache_length(row.target_cache)
-            reads = self.drafting.reads_states([row])  # an MTP row reads the target's states
-            with mx.stream(self.stream), (capture() if reads else nullcontext([])) as states:
+            reads = self.drafting.reads_states([row])  # a head's row reads the target's states
+            with mx.stream(self.stream), (capture() if reads else nullcontext([])) as seen:
                 if done is not None:
                     done(0)
                 prefill(self.target, row.target_cache, chunk, progress=done)
                 rest = left - len(chunk)
                 fed, ready = self.drafting.admit(row, row.draft_cache,
                                                  None if rest == math.inf else int(rest),
-                                                 list(states), at)
+                                                 list(seen), at)
             row.stats.prefill_seconds += time.perf_counter() - start
             left -= len(chunk) + fed
             if len(chunk) < len(todo) or not ready:
@@ -474,23 +479,23 @@ class BatchDecoder:
     def _verify(self, proposals: Proposals, inputs: mx.array | None = None) -> tuple:
         """One batched forward of every row's [last, d_1..d_k] (`inputs`: the (B, 1) last
         tokens of the current round, on the device, for a plain round queued ahead), then the
-        acceptance rule per row (lazy): (results, kept logits, the target's (B, L, D) final
-        states where an MTP row reads them, else None)."""
+        acceptance rule per row (lazy): (results, kept logits, the capture of the target's
+        states where a head's row reads them, else None)."""
         x = inputs if inputs is not None else proposals.inputs([r.seq[-1] for r in self.rows])
         x = model_inputs(self.target, x)  # a wider draft's ids: clamped (acceptance.py)
         reads = self.drafting.reads_states(self.rows)
-        with capture() if reads else nullcontext([]) as states:
+        with capture() if reads else nullcontext([]) as seen:
             logits = self.target_cache.forward(self.target, x)  # (B, L, V)
         results, kept = verify(self.rows, proposals, logits, self._shared_key,
                                ahead=0 if inputs is None else 1)
-        return results, kept, states[-1] if states else None
+        return results, kept, seen if reads else None
 
     def _shared_key(self) -> mx.array:
         self.key, key = mx.random.split(self.key)
         return key
 
     def _commit(self, proposals: Proposals, results: list[mx.array],
-                kept: list[mx.array | None], states: mx.array | None, elapsed: float,
+                kept: list[mx.array | None], seen: list | None, elapsed: float,
                 timed: bool) -> dict[int, list[Token]]:
         """Book the round for every row, emit its tokens, roll each row's caches back to its
         accepted prefix (a queued plain round has written one position more), and let finished
@@ -520,7 +525,7 @@ class BatchDecoder:
             out[row.uid] = self._emit(row, drafts[:n] + [token], n, logits, finished)
             keep.append(len(row.seq) - 1 + ahead)
         self.target_cache.rollback(keep)
-        self.drafting.commit(self.rows, befores, proposals, states)
+        self.drafting.commit(self.rows, befores, proposals, seen)
         auto = [r for r in self.rows if r.acceptance is not None]
         if timed and auto:
             k = max(r.round_k for r in auto)

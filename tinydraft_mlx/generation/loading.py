@@ -21,6 +21,8 @@ from ..engine import skinny
 from ..engine.backend import resolve_dtype, warn_if_slow_blas
 from ..engine.cache import make_cache
 from ..engine.distributed import join
+from ..engine.eagle import is_eagle3, load_eagle3
+from ..engine.hidden import StateHead
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from ..engine.mtp import MTP, MtpError, MtpHead, load_mtp
 from ..engine.pruning import prune_draft
@@ -276,7 +278,9 @@ def load_models(
 
     target: hub id or local directory; None loads the bundled demo target.
     draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft;
-    "prompt-lookup" returns a `PromptLookup` drafter (no model); "mtp" returns the target's own
+    "prompt-lookup" returns a `PromptLookup` drafter (no model); a speculators EAGLE-3 directory
+    (config "speculators_model_type": "eagle3") returns an `Eagle3Head` over the target; "mtp"
+    returns the target's own
     MTP layer (an `MtpHead`, from the `mtp.*` tensors of its checkpoint, which mlx-community
     conversions strip: use the original checkpoint), after which draft="mtp" also names it
     wherever this target decodes (a separate directory of MTP tensors: `load_mtp`).
@@ -316,6 +320,10 @@ def load_models(
     skinny.enable(target_model)
     if str(draft).lower() == MTP:
         return target_model, load_head(target_model, target), tokenizer
+    if draft is not None and str(draft).lower() not in (NO_DRAFT, PROMPT_LOOKUP):
+        head = load_eagle(target_model, draft)
+        if head is not None:
+            return target_model, head, tokenizer
     draft_model = load_draft(draft, tokenizer, dtype=dtype)
     if draft_vocab is not None:
         draft_model = prune_draft(draft_model, tokenizer, draft_vocab, draft_vocab_counts)
@@ -329,6 +337,25 @@ def load_head(target: nn.Module, path: str | Path) -> MtpHead:
     local = Path(path).expanduser()
     try:
         return load_mtp(target, local if local.exists() else resolve_model_path(path))
+    except MtpError as err:
+        raise ModelLoadError(str(err)) from None
+
+
+def load_eagle(target: nn.Module, path: str | Path) -> StateHead | None:
+    """The EAGLE-3 head (speculators format) at `path` (a hub id or a directory) for a target
+    already loaded, None where `path` is not one. ModelLoadError where it does not fit."""
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        if not _looks_like_hub_id(str(path)):
+            return None
+        try:
+            local = resolve_model_path(path)
+        except ModelLoadError:
+            return None  # load_draft says why in its own words
+    if not is_eagle3(local):
+        return None
+    try:
+        return load_eagle3(target, local)
     except MtpError as err:
         raise ModelLoadError(str(err)) from None
 

@@ -50,10 +50,19 @@ from ..engine.backend import active_blas, device_name, generation_stream
 from ..engine.cache import make_cache, rollback
 from ..engine.drafters import draft_model, resolve_drafter
 from ..engine.forward import forward, prefill
+from ..engine.hidden import StateHead
+from ..engine.mtp import MTP
 from ..engine.policy import record_rounds, sampling_regime
 from ..engine.sampling import ParameterError, SamplingParams, check_int, warp
 from ..generation.api import generate, stream_generate
-from ..generation.loading import ModelLoadError, default_draft, load_draft, load_models
+from ..generation.loading import (
+    DEMO_DIR,
+    ModelLoadError,
+    default_draft,
+    load_draft,
+    load_head,
+    load_models,
+)
 from ..generation.prompt_cache import PromptCache
 
 KS = (1, 2, 4, 8)
@@ -139,17 +148,22 @@ def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float
 def forward_ms(model, ids: list[int], n: int, repeats: int = 5) -> float:
     """Median time of one cached forward over n tokens after `ids` (then rolled back): the
     decode loop's own forward (compiled where it applies; the first call, which may trace, is
-    left out), on the generation stream the loop runs on."""
-    times = []
+    left out), on the generation stream the loop runs on. An MTP head: its step on the
+    target's state of the last position (n = 1), its cache filled from the states of `ids`."""
+    times, head = [], isinstance(model, StateHead)
     with mx.stream(generation_stream()):
         cache = make_cache(model, margin=n)  # rolled back by n: sliding and recurrent layers
-        prefill(model, cache, ids)
+        states = model.target_states(ids) if head else None
+        if head:
+            mx.eval(model(mx.array([ids[1:]]), cache, hidden=states[:, :-1]))
+        else:
+            prefill(model, cache, ids)
         for _ in range(repeats + 1):
             x = mx.array([ids[-1]] * n, dtype=mx.int32)[None]
             start = time.perf_counter()
-            mx.eval(forward(model, x, cache))
+            mx.eval(model(x, cache, hidden=states[:, -1:]) if head else forward(model, x, cache))
             times.append(time.perf_counter() - start)
-            rollback(cache, len(ids))
+            rollback(cache, len(ids) - head)
     return 1000 * statistics.median(times[1:])
 
 
@@ -161,7 +175,7 @@ def target_costs(target, ids: list[int], k_max: int, repeats: int) -> dict[str, 
 
 def draft_ms(draft, ids: list[int], repeats: int) -> float:
     """t_d: one draft step in ms (0 for prompt lookup and plain decoding)."""
-    model = draft_model(draft)
+    model = draft if isinstance(draft, StateHead) else draft_model(draft)
     return forward_ms(model, ids, 1, repeats) if model is not None else 0.0
 
 
@@ -227,9 +241,13 @@ def _first_distributions(target, draft, ids, sampling) -> tuple[np.ndarray, floa
     draft model's q (the probability that its first proposal is accepted; 1.0 without a model)."""
     with mx.stream(generation_stream()):
         p = np.array(warp(target(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
-        if draft_model(draft) is None:
+        if isinstance(draft, StateHead):  # it reads the state before the last token
+            logits, _ = draft(mx.array([ids[1:]]), None, hidden=draft.target_states(ids)[:, :-1])
+            q = np.array(warp(logits[0, -1], sampling)).astype(np.float64)
+        elif draft_model(draft) is None:
             return p / p.sum(), 1.0
-        q = np.array(warp(draft(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
+        else:
+            q = np.array(warp(draft(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
     width = min(len(p), len(q))
     return p / p.sum(), float(np.minimum(p[:width], q[:width]).sum())
 
@@ -416,7 +434,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = args.draft or ["default"]
     paths = [default_draft(args.target) if n == "default" else n for n in names]
     target, first, tok = load_models(args.target, paths[0], dtype=args.dtype)
-    drafts = [first] + [load_draft(d, tok, dtype=args.dtype) for d in paths[1:]]
+    drafts = [first] + [load_head(target, args.target or DEMO_DIR / "target")
+                        if str(d).lower() == MTP else load_draft(d, tok, dtype=args.dtype)
+                        for d in paths[1:]]
     texts = args.texts[: args.n_prompts]
     prompts = [tok.encode(t) for t in texts]
     generate(target, first, tok, prompts[0], k=2, max_tokens=8)  # warm-up

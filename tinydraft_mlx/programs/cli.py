@@ -46,9 +46,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", "--model", default=None,
                    help="target model: hub id or directory (default: the bundled demo target)")
     p.add_argument("--draft", "--draft-model", default=None,
-                   help="draft model, 'prompt-lookup' (copy n-gram continuations from the prompt "
-                        "and output, no model), or 'none' for plain decoding (default: the demo "
-                        "draft, or Qwen2.5-0.5B of the same publisher for a Qwen2.5 target)")
+                   help="draft model, 'mtp' (the target's own MTP layer, from its original "
+                        "checkpoint's mtp.* tensors), 'prompt-lookup' (copy n-gram continuations "
+                        "from the prompt and output, no model), or 'none' for plain decoding "
+                        "(default: the demo draft, or Qwen2.5-0.5B of the same publisher for a "
+                        "Qwen2.5 target)")
     p.add_argument("-k", "--num-draft-tokens", default=str(DEFAULT_K), dest="k",
                    help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS}, or 'auto' (default) to "
                         "choose 0..8 every round from measured acceptance and costs (0: plain "

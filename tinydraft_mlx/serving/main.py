@@ -31,6 +31,7 @@ from fastapi import FastAPI
 from ..engine.cache import KEEP
 from ..engine.drafters import HYBRID, resolve_drafter
 from ..engine.lookup import NO_DRAFT
+from ..engine.mtp import MtpHead
 from ..engine.policy import DEFAULT_K
 from ..engine.rounds import unbatchable
 from ..engine.sampling import ParameterError, SamplingParams, check_int
@@ -55,7 +56,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", "--model", default=None,
                    help="target model: hub id or directory (default: the bundled demo target)")
     p.add_argument("--draft", "--draft-model", default=None,
-                   help="draft model, 'prompt-lookup' or 'none' (default: as the CLI)")
+                   help="draft model, 'mtp' (the target's own MTP layer), 'prompt-lookup' or "
+                        "'none' (default: as the CLI)")
+    p.add_argument("--mtp", action="store_true",
+                   help="also load the target's MTP layer (from its original checkpoint's mtp.* "
+                        "tensors), so that requests may send draft \"mtp\" beside the draft model")
     p.add_argument("-k", "--num-draft-tokens", default=str(DEFAULT_K), dest="k",
                    help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' "
                         f"({DEFAULT_K}); requests may set num_draft_tokens")
@@ -128,7 +133,7 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def build_app(args: argparse.Namespace) -> FastAPI:
     """Load the models named by the flags and make the app (ModelLoadError, ValueError)."""
 
-    from ..generation.loading import load_models, no_draft_notice
+    from ..generation.loading import DEMO_DIR, load_head, load_models, no_draft_notice
 
     target, draft, tokenizer = load_models(args.target, args.draft, dtype=args.dtype,
                                            draft_vocab=args.draft_vocab,
@@ -137,8 +142,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         print(no_draft_notice(args.target), file=sys.stderr)
     if args.chat_template is not None:
         tokenizer.chat_template = read_template(args.chat_template)
+    if args.mtp and not isinstance(draft, MtpHead):
+        load_head(target, args.target or DEMO_DIR / "target")
     drafter = resolve_drafter(draft)
     model, default_draft = drafter.model, drafter.name
+    if isinstance(model, MtpHead):
+        model = None  # the head drafts from the target, which carries it (draft "mtp")
     if model is not None and args.hybrid:
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch

@@ -26,6 +26,7 @@ from jinja2 import TemplateError
 from ..engine.drafters import HYBRID, MODEL, Hybrid
 from ..engine.forward import vocab_width
 from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
+from ..engine.mtp import MTP, head_of
 from ..engine.policy import DEFAULT_K
 from ..engine.sampling import ParameterError
 from ..generation.options import Options, check_k, make_options
@@ -34,8 +35,10 @@ from .metrics import Metrics
 from .tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
-DRAFT_MODEL = MODEL  # a request's `draft`: the server's draft model, prompt lookup, both, none
-DRAFT_CHOICES = (DRAFT_MODEL, PROMPT_LOOKUP, HYBRID, NO_DRAFT)
+# a request's `draft`: the server's draft model, the target's MTP layer, prompt lookup, lookup
+# with the model (or with the MTP layer where the server has no draft model), none
+DRAFT_MODEL = MODEL
+DRAFT_CHOICES = (DRAFT_MODEL, MTP, PROMPT_LOOKUP, HYBRID, NO_DRAFT)
 INTERNAL = "the server failed to generate this reply (the error is in its log)"
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
 
@@ -318,9 +321,14 @@ class Service:
         draft = self.defaults.draft if draft is None else draft
         if draft not in DRAFT_CHOICES:
             raise bad("draft", f"draft must be one of {list(DRAFT_CHOICES)} (got {draft!r})")
-        if draft in (DRAFT_MODEL, HYBRID) and self.worker.draft is None:
+        head = head_of(self.worker.target)
+        if (draft == DRAFT_MODEL or (draft == HYBRID and head is None)) \
+                and self.worker.draft is None:
             raise bad("draft", f'draft "{draft}": this server has no draft model loaded '
                       f'(use "{PROMPT_LOOKUP}" or "{NO_DRAFT}")')
+        if draft == MTP and head is None:
+            raise bad("draft", f'draft "{MTP}": this server has not loaded the target\'s MTP '
+                      f'layer (start it with --draft {MTP} or --mtp)')
         return draft
 
     def _logit_bias(self, spec: Spec) -> dict[int, float] | None:
@@ -352,8 +360,9 @@ class Service:
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
 
-        draft = {DRAFT_MODEL: self.worker.draft, HYBRID: Hybrid(self.worker.draft)}.get(
-            plan.draft, plan.draft) if self.worker.draft is not None else plan.draft
+        model = self.worker.draft if self.worker.draft is not None else head_of(self.worker.target)
+        draft = {DRAFT_MODEL: self.worker.draft, HYBRID: Hybrid(model)}.get(
+            plan.draft, plan.draft) if model is not None else plan.draft
         job = Job(plan.prompt, draft, plan.options, deliver)
         try:
             self.worker.submit(job)

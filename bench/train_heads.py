@@ -1,0 +1,174 @@
+"""Train the demo target's MTP layer from the target's own outputs, and ship it beside the
+target's weights (tinydraft_mlx/demo/target/mtp.safetensors, under Qwen3-Next / Qwen3.5's
+`mtp.*` names), so that `load_models(draft="mtp")` works offline on the demo target.
+
+    python bench/train_heads.py           # a few minutes on 2 CPU cores
+
+The layer is what Qwen3-Next's MTP is: fc([norm(embed(x_{t+1})), norm(h_t)]) -> one Qwen2
+decoder layer (the target's kind) -> norm -> the target's tied head, predicting x_{t+2}. It is
+trained by distillation: on windows of the demo's training text (the standard library's code,
+bench/train_demo.py's split), the target's final states h_t (frozen) go in, and the loss is
+KL(p_target(. | x_<=t+1) || q_head), the target's own next-token distribution at the position
+the head predicts (what acceptance rewards), at T = 1. Reported (results/train_heads.json):
+the held-out KL and greedy top-1 agreement with the target, teacher-forced, before and after.
+Nothing here is imported by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from common import machine, save
+from train_demo import ROOT, corpus_files, encode, lr_at
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+TARGET = ROOT / "tinydraft_mlx" / "demo" / "target"
+
+
+class MtpLayer(torch.nn.Module):
+    """The MTP layer in torch, over a frozen target (its embeddings and head shared)."""
+
+    def __init__(self, target: Qwen2ForCausalLM) -> None:
+        super().__init__()
+        config = target.config.__class__.from_dict(target.config.to_dict())
+        config.num_hidden_layers = 1
+        config.layer_types = ["full_attention"]
+        size = config.hidden_size
+        self.one = Qwen2ForCausalLM(config).model  # one decoder layer + its final norm
+        del self.one.embed_tokens
+        self.fc = torch.nn.Linear(2 * size, size, bias=False)
+        self.norm_e = torch.nn.RMSNorm(size, eps=config.rms_norm_eps)
+        self.norm_h = torch.nn.RMSNorm(size, eps=config.rms_norm_eps)
+        with torch.no_grad():  # start as "the next token's embedding, through the layer"
+            self.fc.weight.copy_(torch.cat([torch.eye(size), torch.zeros(size, size)], 1))
+            self.one.layers[0].load_state_dict(target.model.layers[-1].state_dict())
+            self.one.norm.weight.copy_(target.model.norm.weight)
+        self.target = [target]  # not a submodule: frozen, not saved
+
+    def forward(self, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """(B, L) next tokens, (B, L, D) target states -> (B, L, V) logits."""
+        target = self.target[0]
+        e = self.norm_e(target.model.embed_tokens(tokens))
+        x = self.fc(torch.cat([e, self.norm_h(states)], dim=-1))
+        out = self.one(inputs_embeds=x).last_hidden_state
+        return target.lm_head(out)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layer under the hub's `mtp.*` names, float16 (the target's dtype)."""
+        out = {"mtp.fc.weight": self.fc.weight, "mtp.pre_fc_norm_embedding.weight":
+               self.norm_e.weight, "mtp.pre_fc_norm_hidden.weight": self.norm_h.weight,
+               "mtp.norm.weight": self.one.norm.weight}
+        for name, value in self.one.layers[0].state_dict().items():
+            out[f"mtp.layers.0.{name}"] = value
+        return {k: v.detach().to(torch.float16).contiguous() for k, v in out.items()}
+
+
+@torch.no_grad()
+def teacher(target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's final states over x and its log-probabilities at every position."""
+    states = target.model(x).last_hidden_state
+    return states, F.log_softmax(target.lm_head(states), dim=-1)
+
+
+def loss_of(head, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """KL(target || head) where the head at t reads h_t and x_{t+1} and the target's
+    distribution at t + 1 is the label; and the top-1 agreement."""
+    states, logp = teacher(target, x)
+    logits = head(x[:, 1:], states[:, :-1])
+    labels = logp[:, 1:]
+    logq = F.log_softmax(logits, dim=-1)
+    kl = F.kl_div(logq.flatten(0, 1), labels.flatten(0, 1), log_target=True,
+                  reduction="batchmean")
+    agree = (logits.argmax(-1) == labels.argmax(-1)).float().mean().item()
+    return kl, agree
+
+
+@torch.no_grad()
+def held_out(head, target, data: np.ndarray, seq: int, windows: int = 48) -> dict:
+    starts = np.linspace(0, len(data) - seq - 2, windows).astype(int)
+    x = torch.from_numpy(np.stack([data[s : s + seq] for s in starts])).long()
+    kls, agrees = [], []
+    for chunk in x.split(16):
+        kl, agree = loss_of(head, target, chunk)
+        kls.append(kl.item())
+        agrees.append(agree)
+    return {"kl": float(np.mean(kls)), "top1_agreement": float(np.mean(agrees))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    target = Qwen2ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    for param in target.parameters():
+        param.requires_grad_(False)
+    train_files, held_files = corpus_files()
+    data, held = encode(tok, train_files), encode(tok, held_files)
+    head = MtpLayer(target)
+    before = held_out(head, target, held, args.seq)
+    print("held-out before", before, flush=True)
+    params = [q for q in head.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    start = time.time()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, warmup=50)
+        starts = rng.integers(0, len(data) - args.seq - 1, size=args.batch)
+        x = torch.from_numpy(np.stack([data[s : s + args.seq] for s in starts])).long()
+        loss, agree = loss_of(head, target, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 50 == 0 or step == args.steps - 1:
+            print(f"step {step}/{args.steps} kl {loss.item():.3f} top-1 {agree:.3f} "
+                  f"({time.time() - start:.0f} s)", flush=True)
+    seconds = time.time() - start
+    after = held_out(head, target, held, args.seq)
+    print("held-out after", after, flush=True)
+    from safetensors.torch import save_file
+
+    tensors = head.tensors()
+    save_file(tensors, str(TARGET / "mtp.safetensors"), metadata={"format": "pt"})
+    report = {
+        "machine": machine(), "torch": torch.__version__, "settings": vars(args),
+        "parameters": int(sum(v.numel() for v in tensors.values())),
+        "train_seconds": round(seconds, 1), "held_out_before": before,
+        "held_out_after": after, "tokens_seen": args.steps * args.batch * args.seq,
+        "objective": "KL(target || head) at T = 1, teacher-forced on stdlib code",
+    }
+    save(report, "train_heads", plot)
+
+
+def plot(report: dict, path) -> None:
+    from common import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names = ["before", "after"]
+    values = [report["held_out_before"]["top1_agreement"],
+              report["held_out_after"]["top1_agreement"]]
+    ax.bar(names, values, color=["#bbbbbb", "#4c72b0"])
+    for i, v in enumerate(values):
+        ax.text(i, v + 0.01, f"{v:.2f}", ha="center")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("top-1 agreement with the target")
+    ax.set_title("Demo target's MTP layer, held-out stdlib code (teacher-forced)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
