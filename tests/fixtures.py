@@ -479,3 +479,68 @@ def damp_layers(directory: Path, damp: float, keep: int) -> None:
                 ("o_proj.weight", "down_proj.weight", "out_proj.weight", "down_proj")):
             weights[name] = (value * damp).astype(value.dtype)
     save_file(weights, str(path), metadata={"format": "pt"})
+
+
+# EAGLE-3 heads (tests/test_eagle.py): a speculators-format directory for a target, trained a
+# little here on the target's own distributions so that it agrees with it on some positions
+EAGLE_LAYERS = [1, 2, 3]  # the target layers whose input it reads (4-layer targets)
+
+
+def write_eagle3(target_dir: Path, out: Path, kept: int = 256, steps: int = 150,
+                 seed: int = 0) -> Path:
+    """Write a speculators EAGLE-3 directory for the target in `target_dir` to `out`: config
+    (one Llama layer of the target's size, `kept` draft-vocabulary tokens: the target's most
+    likely ones over the corpus, the last of them padding ids) and tensors from
+    tests/eagle_reference.py's module, trained `steps` Adam steps to match the target's next-
+    next-token distribution restricted to the kept tokens."""
+    import json
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.eagle_reference import Eagle3Reference
+
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    size = target.config.hidden_size
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": {
+            "model_type": "llama", "hidden_size": size, "num_hidden_layers": 1,
+            "intermediate_size": 2 * size, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": size // 4, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "vocab_size": target.config.vocab_size},
+        "draft_vocab_size": kept, "norm_before_residual": False, "target_hidden_size": size,
+        "eagle_aux_hidden_state_layer_ids": EAGLE_LAYERS,
+    }
+    ids = [tok.encode(line) for line in _corpus() if line.strip()]
+    stream = np.array([i for line in ids for i in line], dtype=np.int64)
+    windows = torch.from_numpy(np.stack([stream[s : s + 24] for s in
+                                         range(0, len(stream) - 25, 12)]))
+    with torch.no_grad():
+        counts = torch.zeros(target.config.vocab_size)
+        for chunk in windows.split(256):
+            counts += target(chunk).logits.softmax(-1).sum((0, 1))
+    keep = sorted(counts.argsort(descending=True)[:kept].tolist())
+    head = Eagle3Reference(config, target.model.embed_tokens.weight, keep)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for step in range(steps):
+        x = windows[torch.randint(0, len(windows), (16,))]
+        with torch.no_grad():
+            run = target(x, output_hidden_states=True)
+            states = torch.cat([run.hidden_states[i] for i in EAGLE_LAYERS], dim=-1)
+            p = run.logits[:, 1:, keep].softmax(-1)  # the target at t + 1, on the kept tokens
+        logits, _, _ = head(x[:, 1:], states[:, :-1])
+        logq = logits[..., keep].log_softmax(-1)
+        loss = F.kl_div(logq.flatten(0, 1), p.flatten(0, 1), reduction="batchmean")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(head.tensors(), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

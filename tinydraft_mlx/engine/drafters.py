@@ -328,10 +328,20 @@ class Drafting:
     def __init__(self, model: nn.Module | None, heads: list[StateHead],
                  rows: Callable[[nn.Module], Any], chunk: int, width: int | None) -> None:
         self.chains: dict[int, Chain] = {}
+        self.rows, self.chunk, self.width = rows, chunk, width
         if model is not None:
             self.chains[id(model)] = ModelChain(model, rows(model), chunk, width)
         for head in heads:
-            self.chains[id(head)] = HeadChain(head, rows(head), chunk, width)
+            self.add_head(head)
+
+    def has(self, model: nn.Module) -> bool:
+        """Whether a chain drafts with `model`."""
+        return id(model) in self.chains
+
+    def add_head(self, head: StateHead) -> None:
+        """A chain for `head` (a head of the batch's target), for the rows that draft with it."""
+        if id(head) not in self.chains:
+            self.chains[id(head)] = HeadChain(head, self.rows(head), self.chunk, self.width)
 
     def caches(self) -> list[Any]:
         """Every chain's rows cache."""
@@ -345,7 +355,7 @@ class Drafting:
     def check(self, source: Source) -> None:
         """ParameterError unless this batch can draft for `source`."""
         if source.model is not None and id(source.model) not in self.chains:
-            raise ParameterError("draft", "the batch's draft model, its target's MTP head, "
+            raise ParameterError("draft", "the batch's draft model, a head of its target, "
                                  "prompt lookup or None", type(source.model).__name__)
 
     def admit(self, row: Any, cache: Cache | None, budget: int | None,

@@ -173,9 +173,7 @@ class BatchDecoder:
         heads = list({id(h): h for h in heads}.values())
         draft = None if isinstance(draft, StateHead) else draft
         for head in heads:
-            if head.target is not target:
-                raise ParameterError("draft", "a head of this target", "another model's")
-            watch(target, getattr(head, "after", ()))
+            self._check_head(head, target)
         self.single = single or unbatchable(target, draft) is not None
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
@@ -189,6 +187,8 @@ class BatchDecoder:
         def rows(model: nn.Module) -> BatchCache | SingleCache:
             if self.single:
                 return SingleCache()
+            if id(model) not in kinds:  # a head that joins later
+                kinds[id(model)] = layer_kinds(model)
             return BatchCache(kinds[id(model)], max_kv_size, KEEP, self.margin)
 
         self.target_cache = rows(target)
@@ -210,6 +210,13 @@ class BatchDecoder:
     def __len__(self) -> int:
         """Sequences in the decoder (live and prefilling)."""
         return len(self.rows) + len(self.pending)
+
+    @staticmethod
+    def _check_head(head: StateHead, target: nn.Module) -> None:
+        """ParameterError unless `head` reads this target; its states made capturable."""
+        if head.target is not target:
+            raise ParameterError("draft", "a head of this decoder's target", "another model's")
+        watch(target, getattr(head, "after", ()))
 
     def _seed(self, seed: int | None) -> int:
         if seed is not None:
@@ -244,6 +251,9 @@ class BatchDecoder:
             raise ValueError("this decoder holds one sequence at a time (single=True, or a "
                              "tensor-parallel target, or layers a batch cannot hold)")
         source = resolve_drafter(draft, self.draft, self.target)
+        if isinstance(source.model, StateHead) and not self.drafting.has(source.model):
+            self._check_head(source.model, self.target)  # any head of the target may join
+            self.drafting.add_head(source.model)
         self.drafting.check(source)
         k_cap = max_draft_length(source, k)
         if k_cap > self.max_k and self.limited:

@@ -323,6 +323,9 @@ def load_models(
     if draft is not None and str(draft).lower() not in (NO_DRAFT, PROMPT_LOOKUP):
         head = load_eagle(target_model, draft)
         if head is not None:
+            if draft_vocab is not None:
+                raise ParameterError("draft_vocab", "used with a draft model (an EAGLE-3 head "
+                                     "has its own vocabulary)", str(draft))
             return target_model, head, tokenizer
     draft_model = load_draft(draft, tokenizer, dtype=dtype)
     if draft_vocab is not None:

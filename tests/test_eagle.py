@@ -1,0 +1,242 @@
+"""EAGLE-3 heads in the speculators format as drafters (engine/eagle.py, on chains.py's
+HeadChain).
+
+A tiny Qwen3 target is built at test time with transformers 5 (tests/fixtures.py), and an
+EAGLE-3 directory for it (config.json + model.safetensors under the speculators names, a draft
+vocabulary of 256 of the target's 448 ids), trained a little on the target's own distributions
+by tests/eagle_reference.py's torch module, so that it agrees with the target on some positions.
+Checked against independent references:
+- the head's logits == that torch module's (written from the format's description: its own RoPE,
+  attention and MLP) fed the oracle's hidden states of layers 1, 2, 3 (transformers'
+  `output_hidden_states`), to float32 rounding; -inf exactly outside the draft vocabulary;
+- after speculative decoding with rejections, the head's cache keys == the torch module's keys
+  over the final sequence on the oracle's states;
+- greedy output == the transformers fp32 oracle, k in {1, 3, 6, auto}, one sequence and batches
+  of 3 and 8 beside the draft model, the MTP layer, prompt lookup and plain rows;
+- sampled: the joint of the first two tokens of EAGLE-3 rows in mixed batches == the oracle's
+  exact joint (chi-square, the suite's bound), a target token outside the draft vocabulary
+  reachable only by resampling.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.fixtures import EAGLE_LAYERS, build_family_pair, write_eagle3, write_mtp
+from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, two_step_joint
+from tinydraft_mlx import (
+    BatchDecoder,
+    Hybrid,
+    ModelLoadError,
+    SamplingParams,
+    batch_generate,
+    generate,
+    load_head,
+    load_models,
+)
+from tinydraft_mlx.engine.chains import HeadChain
+from tinydraft_mlx.engine.eagle import Eagle3Head
+
+pytestmark = pytest.mark.usefixtures("cpu_fp32")
+
+PROMPTS = [
+    "def parse_args(self, args=None, namespace=None):\n    if args is None:",
+    "import os\nimport sys\n\nclass Encoder(object):\n    def",
+    "x = 1",
+    "class",
+]
+NEW = 24
+MIN_MARGIN = 1e-3
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    """(target dir, eagle dir, (target, head, tokenizer), draft model, [(ids, oracle greedy)],
+    oracle); the target's MTP layer is attached too."""
+    from tests.oracle import Oracle
+
+    root = tmp_path_factory.mktemp("eagle")
+    target_dir, draft_dir = build_family_pair(root, "qwen3")
+    write_mtp(target_dir, "qwen3")
+    eagle_dir = write_eagle3(target_dir, root / "eagle3")
+    target, head, tok = load_models(str(target_dir), str(eagle_dir), dtype="float32")
+    load_head(target, target_dir)  # the MTP layer beside it
+    _, draft, _ = load_models(str(target_dir), str(draft_dir), dtype="float32")
+    oracle = Oracle(target_dir)
+    refs = oracle.references(tok, PROMPTS, NEW, MIN_MARGIN, "eagle")
+    return target_dir, eagle_dir, (target, head, tok), draft, refs, oracle
+
+
+def _reference(eagle_dir, target_dir, oracle, ids):
+    """The torch module loaded from the head's own files, and the oracle's states of `ids`."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.eagle_reference import Eagle3Reference
+
+    config = json.loads((eagle_dir / "config.json").read_text())
+    tensors = load_file(str(eagle_dir / "model.safetensors"))
+    kept = (torch.arange(len(tensors["d2t"])) + tensors["d2t"]).tolist()
+    ref = Eagle3Reference(config, oracle.model.model.embed_tokens.weight, kept)
+    names = {v: k for k, v in _names(ref).items()}
+    ref.load_state_dict({names[k]: v for k, v in tensors.items() if k in names} |
+                        {"embed": ref.embed, "kept": ref.kept})
+    with torch.no_grad():
+        out = oracle.model(torch.tensor([ids]), output_hidden_states=True)
+        states = torch.cat([out.hidden_states[i] for i in EAGLE_LAYERS], dim=-1)
+    return ref, states
+
+
+def _names(ref) -> dict[str, str]:
+    """The torch module's parameter names -> the speculators names."""
+    layer = "layers.0."
+    out = {"fc.weight": "fc.weight", "w_norm": "norm.weight", "lm_head.weight": "lm_head.weight",
+           "w_in": layer + "input_layernorm.weight", "w_hidden": layer + "hidden_norm.weight",
+           "w_post": layer + "post_attention_layernorm.weight"}
+    for mine, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
+        out[f"{mine}.weight"] = f"{layer}self_attn.{theirs}.weight"
+    for mine in ("gate", "up", "down"):
+        out[f"{mine}.weight"] = f"{layer}mlp.{mine}_proj.weight"
+    return out
+
+
+# -- the head itself ----------------------------------------------------------------------------
+def test_the_heads_logits_equal_an_independent_reference(eagle):
+    import torch
+
+    target_dir, eagle_dir, (target, head, tok), _, refs, oracle = eagle
+    assert isinstance(head, Eagle3Head) and head.after == tuple(i - 1 for i in EAGLE_LAYERS)
+    ids = refs[0][0] + refs[0][1][:8]
+    ref, states = _reference(eagle_dir, target_dir, oracle, ids)
+    ours = head.target_states(ids)  # the layers' outputs, as the engine captures them
+    np.testing.assert_allclose(np.array(ours[0]), states[0].numpy(), atol=2e-4, rtol=1e-4)
+    with torch.no_grad():
+        expected, _, _ = ref(torch.tensor([ids[1:]]), states[:, :-1])
+    expected = expected[0].double().numpy()
+    logits, _ = head(mx.array([ids[1:]]), None, hidden=ours[:, :-1])
+    got = np.array(logits[0]).astype(np.float64)
+    outside = np.isinf(expected)
+    assert outside.sum() == (448 - 256) * len(ids[1:]) and np.isinf(got[outside]).all()
+    assert np.abs(got[~outside] - expected[~outside]).max() < 1e-3
+    # the control: the states of the wrong layers give other logits
+    wrong, _ = head(mx.array([ids[1:]]), None, hidden=ours[:, :-1, ::-1])
+    assert np.abs(np.array(wrong[0])[~outside] - expected[~outside]).max() > 0.1
+
+
+def test_the_heads_cache_holds_the_target_states_of_accepted_positions(eagle):
+    import torch
+
+    target_dir, eagle_dir, (target, head, tok), _, refs, oracle = eagle
+    ids = refs[1][0]
+    decoder = BatchDecoder(target, head)
+    uid = decoder.insert(ids, draft=head, k=3, max_tokens=16)
+    stats, out = None, []
+    while len(out) < 12:
+        tokens = decoder.step().get(uid, [])
+        out += [t.id for t in tokens]
+        stats = tokens[-1].stats if tokens else stats
+    assert stats.accepted > 0 and stats.rounds * 3 > stats.accepted
+    chain = next(c for c in decoder.drafting.chains.values() if isinstance(c, HeadChain)
+                 and c.model is head)
+    entries = chain.caches.lengths[0]
+    seq = decoder.rows[0].seq[: entries + 1]
+    ref, states = _reference(eagle_dir, target_dir, oracle, seq)
+    with torch.no_grad():
+        _, _, keys = ref(torch.tensor([seq[1:]]), states[:, :-1])
+    got = np.array(chain.caches.layers[0].keys[0, :, :entries])
+    np.testing.assert_allclose(got, keys[0].numpy(), atol=2e-4)
+
+
+def test_a_head_for_another_vocabulary_is_refused_in_one_line(eagle, tmp_path):
+    target_dir, eagle_dir, (target, _, _), _, _, _ = eagle
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((eagle_dir / "config.json").read_text())
+    config["transformer_layer_config"]["vocab_size"] = 1000
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as err:
+        load_models(str(target_dir), str(other), dtype="float32")
+    assert "\n" not in str(err.value) and "1000" in str(err.value)
+
+
+# -- exact output -------------------------------------------------------------------------------
+def test_greedy_equals_the_oracle(eagle):
+    _, _, (target, head, tok), _, refs, _ = eagle
+    accepted = rejected = 0
+    for k in (1, 3, 6, "auto"):
+        for ids, ref in refs:
+            out, stats = generate(target, head, tok, ids, k=k, max_tokens=NEW)
+            assert out == ref, (k, ids)
+            accepted += stats.accepted
+            rejected += stats.drafted - stats.accepted
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+def test_batches_equal_the_oracle(eagle):
+    _, _, (target, head, tok), draft, refs, _ = eagle
+    prompts = [ids for ids, _ in refs[:3]]
+    for k in (1, 3, 6):
+        outs = batch_generate(target, head, tok, prompts, k=k, max_tokens=NEW)
+        assert [o for o, _ in outs] == [ref for _, ref in refs[:3]], k
+    decoder = BatchDecoder(target, draft, prefill_step=9)
+    kinds = [head, "model", "mtp", Hybrid(head), None, head, "prompt-lookup", "mtp"]
+    ks = [2, 3, 4, 3, 0, "auto", 4, 1]
+    expected = {}
+    for j, (kind, k) in enumerate(zip(kinds, ks)):
+        ids, ref = refs[j % len(refs)]
+        n = NEW - 3 * (j % 3)
+        expected[decoder.insert(ids, draft=kind, k=k, max_tokens=n)] = ref[:n]
+    out = {uid: [] for uid in expected}
+    while len(decoder):
+        for uid, tokens in decoder.step().items():
+            out[uid] += [t.id for t in tokens]
+    assert out == expected
+
+
+def test_sampled_first_two_tokens_inside_mixed_batches(eagle):
+    """T = 1, k = 2, EAGLE-3 rows: 1,200 rows' first two tokens (in batches of 40 beside
+    greedy, seeded, MTP and draft-model companions) against the oracle's exact joint; the joint
+    at T = 0.7 is rejected by the same samples."""
+    _, _, (target, head, tok), draft, refs, oracle = eagle
+    ids = refs[2][0]
+    joint = two_step_joint(oracle.logits, ids, temperature=1.0)
+    wrong = two_step_joint(oracle.logits, ids, temperature=0.7)
+    companions = [(SamplingParams(), "model", 3), (SamplingParams(0.7, seed=5), "mtp", 2),
+                  (SamplingParams(0.9), head, 2)]
+    counts, paths = Counter(), Counter()
+    for batch in range(30):
+        decoder = BatchDecoder(target, draft)
+        uids = []
+        for j in range(40):
+            uids.append(decoder.insert(ids, draft=head, k=2, max_tokens=3,
+                                       sampling=SamplingParams(1.0)))
+            if j % 20 == 0:
+                s, kind, k = companions[(batch + j // 20) % 3]
+                decoder.insert(refs[j // 20][0], draft=kind, k=k, max_tokens=4 + j // 8,
+                               sampling=s)
+        drain_first_two(decoder, uids, counts, paths)
+    n = sum(counts.values())
+    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
+    stat, df = chi2_statistic(counts, joint, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
+    assert wrong_stat > chi2_threshold(wrong_df)
+
+
+def test_the_cli_and_the_check_tool_take_an_eagle3_directory(eagle, tmp_path, capsys):
+    from tinydraft_mlx.programs.check import main as check
+    from tinydraft_mlx.programs.cli import main as cli
+
+    target_dir, eagle_dir = eagle[0], eagle[1]
+    assert cli(["--target", str(target_dir), "--draft", str(eagle_dir), "--prompt", "x = 1",
+                "--max-tokens", "8", "-k", "2"]) == 0
+    report = tmp_path / "check.json"
+    assert check(["--target", str(target_dir), "--draft", str(eagle_dir), "--quick",
+                  "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["greedy_identical"] and data["drafts"][0]["costs"]["t_d"] > 0
