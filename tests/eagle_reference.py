@@ -31,7 +31,8 @@ class Eagle3Reference(torch.nn.Module):
         self.v = torch.nn.Linear(2 * d, self.kv * self.head_dim, bias=False)
         self.o = torch.nn.Linear(self.heads * self.head_dim, d, bias=False)
         ffn = c["intermediate_size"]
-        self.gate, self.up = torch.nn.Linear(d, ffn, bias=False), torch.nn.Linear(d, ffn, bias=False)
+        self.gate = torch.nn.Linear(d, ffn, bias=False)
+        self.up = torch.nn.Linear(d, ffn, bias=False)
         self.down = torch.nn.Linear(ffn, d, bias=False)
         self.lm_head = torch.nn.Linear(d, len(kept), bias=False)
         self.register_buffer("embed", embed.detach().clone())

@@ -528,7 +528,7 @@ def write_eagle3(target_dir: Path, out: Path, kept: int = 256, steps: int = 150,
     keep = sorted(counts.argsort(descending=True)[:kept].tolist())
     head = Eagle3Reference(config, target.model.embed_tokens.weight, keep)
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    for step in range(steps):
+    for _ in range(steps):
         x = windows[torch.randint(0, len(windows), (16,))]
         with torch.no_grad():
             run = target(x, output_hidden_states=True)
