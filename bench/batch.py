@@ -95,7 +95,7 @@ def run(contender: str, size: int, temperature: float) -> dict:
 
 def plot(report: dict, path: Path) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
-    from common import pyplot
+    from common import finish_figure, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(6 * len(TEMPERATURES), 4.2))
@@ -113,12 +113,7 @@ def plot(report: dict, path: Path) -> None:
                title="greedy" if temperature == 0 else f"T = {temperature}")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    m = report["machine"]
-    fig.suptitle(f"Demo pair, {report['settings']['dtype']}, {m['device']}, BLAS "
-                 f"{m['blas'].split(' ')[0]}; {MAX_TOKENS} tokens per prompt")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(plt, fig, path, report, "Demo pair", f"{MAX_TOKENS} tokens per prompt")
 
 
 def main() -> None:

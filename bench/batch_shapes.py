@@ -75,7 +75,7 @@ def run(contender: str, size: int, alpha: float) -> dict:
 
 def plot(report: dict, path: Path) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
-    from common import pyplot
+    from common import finish_figure, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(ALPHAS), figsize=(6 * len(ALPHAS), 4.2))
@@ -94,12 +94,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(range(len(SIZES)), [f"B = {s}" for s in SIZES])
         ax.set(ylabel="aggregate tokens/s", title=f"oracle draft, alpha = {alpha}")
         ax.legend(fontsize=8)
-    m = report["machine"]
-    fig.suptitle(f"Qwen2.5 shapes 0.5B -> 1.5B (random weights), {report['settings']['dtype']}, "
-                 f"{m['device']}, BLAS {m['blas'].split(' ')[0]}; {MAX_TOKENS} tokens per row")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(plt, fig, path, report, "Qwen2.5 shapes 0.5B -> 1.5B (random weights)",
+                  f"{MAX_TOKENS} tokens per row")
 
 
 def main() -> None:

@@ -51,6 +51,18 @@ def save(report: dict, name: str, plot) -> Path:
     return out
 
 
+def finish_figure(plt, fig, path: Path, report: dict, what: str, detail: str,
+                  fontsize: int = 12) -> None:
+    """Title a figure with what it shows, the report's dtype, device and BLAS, and `detail`;
+    write it to `path`."""
+    m = report["machine"]
+    fig.suptitle(f"{what}, {report['settings']['dtype']}, {m['device']}, BLAS "
+                 f"{m['blas'].split(' ')[0]}; {detail}", fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend."""
     import matplotlib

@@ -9,6 +9,8 @@ import json
 import re
 from pathlib import Path
 
+import render_heads
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -715,6 +717,8 @@ def main() -> None:
         ("batch_shapes", batch_shapes),
         ("hybrid", hybrid),
         ("hybrid_models", hybrid_models),
+        ("train_heads", render_heads.train_heads),
+        ("drafters", render_heads.drafters),
     ]:
         data = _load(name)
         if data is not None:

@@ -1,8 +1,10 @@
-"""Train the demo target's MTP layer from the target's own outputs, and ship it beside the
-target's weights (tinydraft_mlx/demo/target/mtp.safetensors, under Qwen3-Next / Qwen3.5's
-`mtp.*` names), so that `load_models(draft="mtp")` works offline on the demo target.
+"""Train the demo target's MTP layer and an EAGLE-3 head from the target's own outputs, and ship
+them: the MTP layer beside the target's weights (tinydraft_mlx/demo/target/mtp.safetensors,
+under Qwen3-Next / Qwen3.5's `mtp.*` names), so that `load_models(draft="mtp")` works offline on
+the demo target; the EAGLE-3 head in the speculators format (tinydraft_mlx/demo/eagle3/).
 
-    python bench/train_heads.py           # a few minutes on 2 CPU cores
+    python bench/train_heads.py               # both, ~15 min on 2 CPU cores
+    python bench/train_heads.py --head mtp    # one of them
 
 The layer is what Qwen3-Next's MTP is: fc([norm(embed(x_{t+1})), norm(h_t)]) -> one Qwen2
 decoder layer (the target's kind) -> norm -> the target's tied head, predicting x_{t+2}. It is
@@ -11,12 +13,19 @@ bench/train_demo.py's split), the target's final states h_t (frozen) go in, and 
 KL(p_target(. | x_<=t+1) || q_head), the target's own next-token distribution at the position
 the head predicts (what acceptance rewards), at T = 1. Reported (results/train_heads.json):
 the held-out KL and greedy top-1 agreement with the target, teacher-forced, before and after.
+The EAGLE-3 head (speculators' layout: fc over the states entering target layers 1, 3 and 5,
+one Llama layer reading [norm(embed), norm(state)], norm, lm_head over the 2,048 tokens the demo
+pair's token counts rank first, d2t / t2d) is tests/eagle_reference.py's torch module, the one
+the tests check the engine's EAGLE-3 head against, trained the same way (KL to the target's
+distribution restricted to its vocabulary). Both are trained one step ahead, teacher-forced
+(no multi-step unrolling): later draft positions read the head's own output and accept less.
 Nothing here is imported by the library.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -27,6 +36,9 @@ from train_demo import ROOT, corpus_files, encode, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 TARGET = ROOT / "tinydraft_mlx" / "demo" / "target"
+EAGLE_DIR = ROOT / "tinydraft_mlx" / "demo" / "eagle3"
+EAGLE_LAYERS = [1, 3, 5]  # the target layers whose input the EAGLE-3 head reads (of 6)
+EAGLE_VOCAB = 2048
 
 
 class MtpLayer(torch.nn.Module):
@@ -87,21 +99,131 @@ def loss_of(head, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return kl, agree
 
 
+class Eagle3:
+    """The EAGLE-3 head being trained: tests/eagle_reference.py's module over the target."""
+
+    def __init__(self, target: Qwen2ForCausalLM) -> None:
+        import json
+        import sys
+
+        sys.path.insert(0, str(ROOT))
+        from tests.eagle_reference import Eagle3Reference
+
+        c = target.config
+        self.config = {
+            "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+            "transformer_layer_config": {
+                "model_type": "llama", "hidden_size": c.hidden_size, "num_hidden_layers": 1,
+                "intermediate_size": c.intermediate_size,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads, "rms_norm_eps": c.rms_norm_eps,
+                "rope_theta": 10000.0, "vocab_size": c.vocab_size},
+            "draft_vocab_size": EAGLE_VOCAB, "norm_before_residual": False,
+            "target_hidden_size": c.hidden_size, "eagle_aux_hidden_state_layer_ids": EAGLE_LAYERS,
+        }
+        counts = json.loads((ROOT / "tinydraft_mlx" / "demo" / "token_counts.json").read_text())
+        ranked = sorted(range(c.vocab_size), key=lambda i: -counts["counts"][i])
+        self.kept = sorted(ranked[:EAGLE_VOCAB])
+        self.module = Eagle3Reference(self.config, target.model.embed_tokens.weight, self.kept)
+        with torch.no_grad():  # its head starts as the target's rows for its tokens
+            self.module.lm_head.weight.copy_(target.model.embed_tokens.weight[self.kept])
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        with torch.no_grad():
+            out = target(x, output_hidden_states=True)
+            states = torch.cat([out.hidden_states[i] for i in EAGLE_LAYERS], dim=-1)
+            labels = F.log_softmax(out.logits[:, 1:, self.kept], dim=-1)
+        logits, _, _ = self.module(x[:, 1:], states[:, :-1])
+        logq = F.log_softmax(logits[..., self.kept], dim=-1)
+        kl = F.kl_div(logq.flatten(0, 1), labels.flatten(0, 1), log_target=True,
+                      reduction="batchmean")
+        full = out.logits[:, 1:].argmax(-1)  # agreement with the target's own top-1
+        agree = (logits.argmax(-1) == full).float().mean().item()
+        return kl, agree
+
+    def save(self) -> dict[str, torch.Tensor]:
+        import json
+
+        from safetensors.torch import save_file
+
+        EAGLE_DIR.mkdir(parents=True, exist_ok=True)
+        (EAGLE_DIR / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+        tensors = {k: v.to(torch.float16) if v.is_floating_point() else v
+                   for k, v in self.module.tensors().items()}
+        save_file(tensors, str(EAGLE_DIR / "model.safetensors"), metadata={"format": "pt"})
+        return tensors
+
+
+class Mtp:
+    """The MTP layer being trained."""
+
+    def __init__(self, target: Qwen2ForCausalLM) -> None:
+        self.module = MtpLayer(target)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return loss_of(self.module, target, x)
+
+    def save(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import save_file
+
+        tensors = self.module.tensors()
+        save_file(tensors, str(TARGET / "mtp.safetensors"), metadata={"format": "pt"})
+        return tensors
+
+
 @torch.no_grad()
 def held_out(head, target, data: np.ndarray, seq: int, windows: int = 48) -> dict:
     starts = np.linspace(0, len(data) - seq - 2, windows).astype(int)
     x = torch.from_numpy(np.stack([data[s : s + seq] for s in starts])).long()
     kls, agrees = [], []
     for chunk in x.split(16):
-        kl, agree = loss_of(head, target, chunk)
+        kl, agree = head.loss(target, chunk)
         kls.append(kl.item())
         agrees.append(agree)
     return {"kl": float(np.mean(kls)), "top1_agreement": float(np.mean(agrees))}
 
 
+def train_head(head, target, data, held, args) -> dict:
+    """Train one head; its figures."""
+    before = held_out(head, target, held, args.seq)
+    print("held-out before", before, flush=True)
+    params = [q for q in head.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    start = time.time()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, warmup=50)
+        starts = rng.integers(0, len(data) - args.seq - 1, size=args.batch)
+        x = torch.from_numpy(np.stack([data[s : s + args.seq] for s in starts])).long()
+        loss, agree = head.loss(target, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 50 == 0 or step == args.steps - 1:
+            print(f"step {step}/{args.steps} kl {loss.item():.3f} top-1 {agree:.3f} "
+                  f"({time.time() - start:.0f} s)", flush=True)
+    seconds = time.time() - start
+    after = held_out(head, target, held, args.seq)
+    print("held-out after", after, flush=True)
+    tensors = head.save()
+    return {"parameters": int(sum(v.numel() for k, v in tensors.items()
+                                  if v.is_floating_point())),
+            "train_seconds": round(seconds, 1), "held_out_before": before,
+            "held_out_after": after, "tokens_seen": args.steps * args.batch * args.seq}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--head", choices=["mtp", "eagle3", "both"], default="both")
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -114,40 +236,15 @@ def main() -> None:
         param.requires_grad_(False)
     train_files, held_files = corpus_files()
     data, held = encode(tok, train_files), encode(tok, held_files)
-    head = MtpLayer(target)
-    before = held_out(head, target, held, args.seq)
-    print("held-out before", before, flush=True)
-    params = [q for q in head.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = np.random.default_rng(0)
-    start = time.time()
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, warmup=50)
-        starts = rng.integers(0, len(data) - args.seq - 1, size=args.batch)
-        x = torch.from_numpy(np.stack([data[s : s + args.seq] for s in starts])).long()
-        loss, agree = loss_of(head, target, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step}/{args.steps} kl {loss.item():.3f} top-1 {agree:.3f} "
-                  f"({time.time() - start:.0f} s)", flush=True)
-    seconds = time.time() - start
-    after = held_out(head, target, held, args.seq)
-    print("held-out after", after, flush=True)
-    from safetensors.torch import save_file
-
-    tensors = head.tensors()
-    save_file(tensors, str(TARGET / "mtp.safetensors"), metadata={"format": "pt"})
-    report = {
-        "machine": machine(), "torch": torch.__version__, "settings": vars(args),
-        "parameters": int(sum(v.numel() for v in tensors.values())),
-        "train_seconds": round(seconds, 1), "held_out_before": before,
-        "held_out_after": after, "tokens_seen": args.steps * args.batch * args.seq,
-        "objective": "KL(target || head) at T = 1, teacher-forced on stdlib code",
-    }
+    out = ROOT / "results" / "train_heads.json"
+    report = json.loads(out.read_text()) if out.is_file() else {}
+    report.update({"machine": machine(), "torch": torch.__version__,
+                   "objective": "KL(target || head) at T = 1, one step ahead, teacher-forced "
+                                "on stdlib code (bench/train_demo.py's split)"})
+    heads = {"mtp": Mtp, "eagle3": Eagle3}
+    for name in (["mtp", "eagle3"] if args.head == "both" else [args.head]):
+        report[name] = {"settings": vars(args), **train_head(heads[name](target), target, data,
+                                                               held, args)}
     save(report, "train_heads", plot)
 
 
@@ -155,16 +252,19 @@ def plot(report: dict, path) -> None:
     from common import pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    names = ["before", "after"]
-    values = [report["held_out_before"]["top1_agreement"],
-              report["held_out_after"]["top1_agreement"]]
-    ax.bar(names, values, color=["#bbbbbb", "#4c72b0"])
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    names, values = [], []
+    for head in ("mtp", "eagle3"):
+        if head in report:
+            for when in ("before", "after"):
+                names.append(f"{head}\n{when}")
+                values.append(report[head][f"held_out_{when}"]["top1_agreement"])
+    ax.bar(names, values, color=["#bbbbbb", "#4c72b0"] * (len(names) // 2))
     for i, v in enumerate(values):
         ax.text(i, v + 0.01, f"{v:.2f}", ha="center")
     ax.set_ylim(0, 1)
     ax.set_ylabel("top-1 agreement with the target")
-    ax.set_title("Demo target's MTP layer, held-out stdlib code (teacher-forced)")
+    ax.set_title("Demo target's heads, held-out stdlib code (teacher-forced, one step ahead)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -120,3 +120,58 @@ def windowed_logits(model, ids, window: int, keep: int = 4) -> np.ndarray:
     bounded cache of `window` positions must reproduce."""
     cache = [_ExplicitWindow(window, keep) for _ in model.layers]
     return np.array(model(mx.array([ids]), cache=cache)[0].astype(mx.float32)).astype(np.float64)
+
+
+def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, companions,
+                               prompts: list[list[int]], exact: dict, wrong: dict,
+                               batches: int = 30, rows: int = 40, every: int = 20) -> None:
+    """Sample the first two tokens after `ids` in `batches` x `rows` rows drafting with `draft`
+    (k = 2, `sampling`), inside batches from `make_decoder()` that a companion (sampling, draft,
+    k), on prompts[j // every], joins every `every` rows; assert that the accept and the
+    resample path both occurred, that the chi-square against the exact joint is below the
+    suite's threshold and against the wrong joint above it."""
+    from collections import Counter
+
+    counts, paths = Counter(), Counter()
+    for batch in range(batches):
+        decoder = make_decoder()
+        uids = []
+        for j in range(rows):
+            uids.append(decoder.insert(ids, draft=draft, k=2, max_tokens=3, sampling=sampling))
+            if j % every == 0:
+                s, kind, k = companions[(batch + j // every) % len(companions)]
+                decoder.insert(prompts[j // every], draft=kind, k=k, max_tokens=4 + j // 8,
+                               sampling=s)
+        drain_first_two(decoder, uids, counts, paths)
+    n = sum(counts.values())
+    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
+    stat, df = chi2_statistic(counts, exact, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
+    assert wrong_stat > chi2_threshold(wrong_df), (wrong_stat, wrong_df)
+
+
+def drain(decoder) -> dict[int, list[int]]:
+    """Step a `BatchDecoder` until every sequence has finished: uid -> its generated ids."""
+    out: dict[int, list[int]] = {}
+    while len(decoder):
+        for uid, tokens in decoder.step().items():
+            out.setdefault(uid, []).extend(t.id for t in tokens)
+    return out
+
+
+def seeded_row_in_a_batch(target, draft, tok, refs, drafter, companions) -> None:
+    """A seeded row (T = 0.8, top-p 0.9, seed 11, k = 3, `drafter`) decodes alone and beside
+    two `companions` (draft kinds) in a batch with `draft`: assert the same tokens."""
+    from tinydraft_mlx import BatchDecoder, SamplingParams, generate
+
+    ids = refs[0][0]
+    alone, _ = generate(target, drafter, tok, ids, k=3, max_tokens=20, seed=11, temperature=0.8,
+                        top_p=0.9)
+    decoder = BatchDecoder(target, draft)
+    decoder.insert(refs[2][0], draft=companions[0], k=2, max_tokens=6,
+                   sampling=SamplingParams(0.7))
+    uid = decoder.insert(ids, draft=drafter, k=3, max_tokens=20,
+                         sampling=SamplingParams(0.8, top_p=0.9, seed=11))
+    decoder.insert(refs[3][0], draft=companions[1], k=4, max_tokens=20)
+    assert drain(decoder)[uid] == alone

@@ -21,14 +21,13 @@ Checked against independent references:
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.fixtures import EAGLE_LAYERS, build_family_pair, write_eagle3, write_mtp
-from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, two_step_joint
+from tests.fixtures import EAGLE_LAYERS, HEAD_PROMPTS, build_family_pair, write_eagle3, write_mtp
+from tests.reference import check_first_two_in_batches, drain, two_step_joint
 from tinydraft_mlx import (
     BatchDecoder,
     Hybrid,
@@ -44,12 +43,7 @@ from tinydraft_mlx.engine.eagle import Eagle3Head
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
-PROMPTS = [
-    "def parse_args(self, args=None, namespace=None):\n    if args is None:",
-    "import os\nimport sys\n\nclass Encoder(object):\n    def",
-    "x = 1",
-    "class",
-]
+PROMPTS = HEAD_PROMPTS
 NEW = 24
 MIN_MARGIN = 1e-3
 
@@ -191,11 +185,7 @@ def test_batches_equal_the_oracle(eagle):
         ids, ref = refs[j % len(refs)]
         n = NEW - 3 * (j % 3)
         expected[decoder.insert(ids, draft=kind, k=k, max_tokens=n)] = ref[:n]
-    out = {uid: [] for uid in expected}
-    while len(decoder):
-        for uid, tokens in decoder.step().items():
-            out[uid] += [t.id for t in tokens]
-    assert out == expected
+    assert drain(decoder) == expected
 
 
 def test_sampled_first_two_tokens_inside_mixed_batches(eagle):
@@ -208,24 +198,9 @@ def test_sampled_first_two_tokens_inside_mixed_batches(eagle):
     wrong = two_step_joint(oracle.logits, ids, temperature=0.7)
     companions = [(SamplingParams(), "model", 3), (SamplingParams(0.7, seed=5), "mtp", 2),
                   (SamplingParams(0.9), head, 2)]
-    counts, paths = Counter(), Counter()
-    for batch in range(30):
-        decoder = BatchDecoder(target, draft)
-        uids = []
-        for j in range(40):
-            uids.append(decoder.insert(ids, draft=head, k=2, max_tokens=3,
-                                       sampling=SamplingParams(1.0)))
-            if j % 20 == 0:
-                s, kind, k = companions[(batch + j // 20) % 3]
-                decoder.insert(refs[j // 20][0], draft=kind, k=k, max_tokens=4 + j // 8,
-                               sampling=s)
-        drain_first_two(decoder, uids, counts, paths)
-    n = sum(counts.values())
-    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
-    stat, df = chi2_statistic(counts, joint, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    check_first_two_in_batches(lambda: BatchDecoder(target, draft), ids, head,
+                               SamplingParams(1.0), companions, [refs[0][0], refs[1][0]],
+                               joint, wrong)
 
 
 def test_the_cli_and_the_check_tool_take_an_eagle3_directory(eagle, tmp_path, capsys):

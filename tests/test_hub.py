@@ -1,6 +1,6 @@
-"""Real checkpoints from the Hugging Face hub (Qwen2.5; hybrid Qwen3.5 and Nemotron-H). Opt-in
-(TINYDRAFT_HUB_TESTS=1) because they download gigabytes; skipped with the reason when the hub
-cannot provide them."""
+"""Real checkpoints from the Hugging Face hub (Qwen2.5; hybrid Qwen3.5 and Nemotron-H; a real MTP
+layer and a public EAGLE-3 head). Opt-in (TINYDRAFT_HUB_TESTS=1) because they download
+gigabytes; skipped with the reason when the hub cannot provide them."""
 
 import os
 
@@ -77,13 +77,16 @@ def test_qwen25_calls_a_tool_through_the_server_and_hybrid_stays_exact(qwen):
     assert stats.acceptance_rate > 0.5
 
 
-@pytest.mark.parametrize("target, draft", [
-    ("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-0.8B"),  # Gated DeltaNet + attention, a hybrid draft
-    ("nvidia/NVIDIA-Nemotron-Nano-9B-v2", "prompt-lookup"),  # Mamba-2 + attention
+@pytest.mark.parametrize("target, draft, acceptance", [
+    ("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-0.8B", 0.0),  # Gated DeltaNet + attention, a hybrid draft
+    ("nvidia/NVIDIA-Nemotron-Nano-9B-v2", "prompt-lookup", 0.0),  # Mamba-2 + attention
+    ("Qwen/Qwen3.5-0.8B", "mtp", 0.2),  # the checkpoint's own mtp.* layer
+    ("Qwen/Qwen2.5-0.5B-Instruct", "BalajiAI/qwen2.5-0.5b.eagle3", 0.2),  # a speculators EAGLE-3
 ])
-def test_a_real_hybrid_target_decodes_exactly(target, draft):
-    """A real hybrid checkpoint (recurrent layers rolled back by replay): greedy speculative
-    output is the transformers oracle's, one sequence and in a batch of two."""
+def test_a_real_checkpoint_decodes_exactly(target, draft, acceptance):
+    """A real hybrid checkpoint (recurrent layers rolled back by replay), a real MTP layer, a
+    public EAGLE-3 head: greedy speculative output is the transformers oracle's, one sequence
+    and in a batch of two; a head is accepted (a mis-wired head would not be)."""
     from huggingface_hub import snapshot_download
 
     from tests.oracle import Oracle
@@ -98,5 +101,6 @@ def test_a_real_hybrid_target_decodes_exactly(target, draft):
     assert margin > 1e-3
     out, stats = generate(t, d, tok, ids, k=3, max_tokens=24)
     assert out == ref
+    assert stats.acceptance_rate >= acceptance, stats.summary()
     outs = batch_generate(t, d, tok, [ids, tok.encode("import os\n")], k=3, max_tokens=24)
     assert outs[0][0] == ref

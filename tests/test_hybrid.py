@@ -19,15 +19,18 @@ MLP), and a 2-layer draft copied from its first layers: a hybrid draft) and load
 
 from __future__ import annotations
 
-from collections import Counter
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.fixtures import HYBRIDS, build_hybrid_pair, build_tokenizer
-from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, two_step_joint
+from tests.reference import (
+    check_first_two_in_batches,
+    drain,
+    seeded_row_in_a_batch,
+    two_step_joint,
+)
 from tinydraft_mlx import (
     BatchDecoder,
     Hybrid,
@@ -130,10 +133,7 @@ def test_batches_equal_the_oracle(hybrids, family):
         kind = ["model", "prompt-lookup", None, Hybrid(draft)][i % 4]
         uids.append(decoder.insert(ids, draft=kind, k=[2, 4, "auto"][i % 3],
                                    max_tokens=[NEW, 11, NEW, 7][i % 4]))
-    out = {uid: [] for uid in uids}
-    while len(decoder):
-        for uid, tokens in decoder.step().items():
-            out[uid] += [t.id for t in tokens]
+    out = drain(decoder)
     for i, uid in enumerate(uids):
         _, ref = refs[i % len(refs)]
         assert out[uid] == ref[: [NEW, 11, NEW, 7][i % 4]], i
@@ -216,41 +216,16 @@ def test_sampled_first_two_tokens_inside_mixed_batches(hybrids):
     wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
     companions = [(SamplingParams(), "model", 3), (SamplingParams(0.7, seed=5), "model", 2),
                   (SamplingParams(0.9), "prompt-lookup", 2)]
-    counts, paths = Counter(), Counter()
-    for batch in range(30):
-        decoder = BatchDecoder(target, draft)
-        uids = []
-        for j in range(48):
-            uids.append(decoder.insert(ids, draft="model", k=2, max_tokens=3,
-                                       sampling=SamplingParams(1.0, top_p=0.8)))
-            if j % 16 == 0:
-                s, kind, k = companions[(batch + j // 16) % 3]
-                decoder.insert(refs[2 + j // 16][0], draft=kind, k=k, max_tokens=4 + j // 8,
-                               sampling=s)
-        drain_first_two(decoder, uids, counts, paths)
-    n = sum(counts.values())
-    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
-    stat, df = chi2_statistic(counts, joint, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    check_first_two_in_batches(lambda: BatchDecoder(target, draft), ids, "model",
+                               SamplingParams(1.0, top_p=0.8), companions,
+                               [refs[2 + i][0] for i in range(3)], joint, wrong, rows=48,
+                               every=16)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_a_seeded_row_does_not_depend_on_its_batch(hybrids, family):
     _, (target, draft, tok), refs, _ = hybrids[family]
-    ids = refs[0][0]
-    sampling = dict(temperature=0.8, top_p=0.9)
-    alone, _ = generate(target, draft, tok, ids, k=3, max_tokens=20, seed=11, **sampling)
-    decoder = BatchDecoder(target, draft)
-    decoder.insert(refs[2][0], draft="model", k=2, max_tokens=6, sampling=SamplingParams(0.7))
-    uid = decoder.insert(ids, draft="model", k=3, max_tokens=20,
-                         sampling=SamplingParams(0.8, top_p=0.9, seed=11))
-    decoder.insert(refs[3][0], draft="prompt-lookup", k=4, max_tokens=20)
-    out = []
-    while len(decoder):
-        out += [t.id for t in decoder.step().get(uid, [])]
-    assert out == alone
+    seeded_row_in_a_batch(target, draft, tok, refs, draft, ["model", "prompt-lookup"])
 
 
 def test_prompt_caches_are_reused_at_their_end(hybrids):
@@ -284,9 +259,8 @@ def test_bounded_attention_beside_recurrent_layers(hybrids):
 def test_the_server_batches_hybrid_models(hybrids):
     """Nemotron-H served with batches of 8: concurrent greedy requests (the draft model, prompt
     lookup, none) each return the oracle's tokens."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_server import Served
+    from tests.test_server import Served, assert_concurrent_greedy
     from tinydraft_mlx import server
 
     target_dir, _, refs, _ = hybrids["nemotron_h"]
@@ -297,20 +271,7 @@ def test_the_server_batches_hybrid_models(hybrids):
     assert app.state.service.worker.max_batch == 8
     served = Served(app)
     try:
-        client = served.client()
-
-        def ask(i: int) -> list[int]:
-            ids, _ = refs[i % len(refs)]
-            r = client.completions.create(
-                model="m", prompt=ids, max_tokens=12, temperature=0.0,
-                extra_body={"draft": ["model", "prompt-lookup", "none"][i % 3],
-                            "num_draft_tokens": 3})
-            return r.choices[0].model_extra["tinydraft"]["token_ids"]
-
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(ask, range(6)))
-        for i, tokens in enumerate(answers):
-            assert tokens == refs[i % len(refs)][1][:12], i
+        assert_concurrent_greedy(served, refs, ["model", "prompt-lookup", "none"], 6)
     finally:
         served.close()
 

@@ -21,8 +21,6 @@ positions and not others. Checked against independent references:
 
 from __future__ import annotations
 
-from collections import Counter
-
 import httpx
 import mlx.core as mx
 import numpy as np
@@ -30,6 +28,7 @@ import pytest
 
 from tests.fixtures import (
     FIRST_ATTENTION,
+    HEAD_PROMPTS,
     MTP_FAMILIES,
     ZERO_CENTRED,
     build_family_pair,
@@ -37,7 +36,12 @@ from tests.fixtures import (
     damp_layers,
     write_mtp,
 )
-from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, two_step_joint
+from tests.reference import (
+    check_first_two_in_batches,
+    drain,
+    seeded_row_in_a_batch,
+    two_step_joint,
+)
 from tinydraft_mlx import (
     BatchDecoder,
     Hybrid,
@@ -54,12 +58,7 @@ from tinydraft_mlx.engine.mtp import attach
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
-PROMPTS = [
-    "def parse_args(self, args=None, namespace=None):\n    if args is None:",
-    "import os\nimport sys\n\nclass Encoder(object):\n    def",
-    "x = 1",
-    "class",
-]
+PROMPTS = HEAD_PROMPTS
 NEW = 24
 MIN_MARGIN = 1e-3
 DAMP = {"qwen3": 0.1, "qwen3_next": 0.02, "qwen3_5": 0.02}
@@ -244,11 +243,7 @@ def test_batches_equal_the_oracle(mtp, family):
         ids, ref = refs[j % len(refs)]
         n = NEW - 3 * (j % 3)
         uids[decoder.insert(ids, draft=kind, k=k, max_tokens=n)] = ref[:n]
-    out = {uid: [] for uid in uids}
-    while len(decoder):
-        for uid, tokens in decoder.step().items():
-            out[uid] += [t.id for t in tokens]
-    assert out == uids
+    assert drain(decoder) == uids
 
 
 def test_sampled_first_two_tokens_inside_mixed_batches(mtp):
@@ -261,40 +256,14 @@ def test_sampled_first_two_tokens_inside_mixed_batches(mtp):
     wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
     companions = [(SamplingParams(), "model", 3), (SamplingParams(0.7, seed=5), "mtp", 2),
                   (SamplingParams(0.9), "prompt-lookup", 2)]
-    counts, paths = Counter(), Counter()
-    for batch in range(30):
-        decoder = BatchDecoder(target, draft)
-        uids = []
-        for j in range(40):
-            uids.append(decoder.insert(ids, draft="mtp", k=2, max_tokens=3,
-                                       sampling=SamplingParams(1.0, top_p=0.8)))
-            if j % 20 == 0:
-                s, kind, k = companions[(batch + j // 20) % 3]
-                decoder.insert(refs[j // 20][0], draft=kind, k=k, max_tokens=4 + j // 8,
-                               sampling=s)
-        drain_first_two(decoder, uids, counts, paths)
-    n = sum(counts.values())
-    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
-    stat, df = chi2_statistic(counts, joint, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    check_first_two_in_batches(lambda: BatchDecoder(target, draft), ids, "mtp",
+                               SamplingParams(1.0, top_p=0.8), companions,
+                               [refs[0][0], refs[1][0]], joint, wrong)
 
 
 def test_a_seeded_row_does_not_depend_on_its_batch(mtp):
     _, (target, head, tok), draft, refs, _ = mtp["qwen3_5"]
-    ids = refs[0][0]
-    alone, _ = generate(target, "mtp", tok, ids, k=3, max_tokens=20, seed=11, temperature=0.8,
-                        top_p=0.9)
-    decoder = BatchDecoder(target, draft)
-    decoder.insert(refs[2][0], draft="model", k=2, max_tokens=6, sampling=SamplingParams(0.7))
-    uid = decoder.insert(ids, draft="mtp", k=3, max_tokens=20,
-                         sampling=SamplingParams(0.8, top_p=0.9, seed=11))
-    decoder.insert(refs[3][0], draft="mtp", k=4, max_tokens=20)
-    out = []
-    while len(decoder):
-        out += [t.id for t in decoder.step().get(uid, [])]
-    assert out == alone
+    seeded_row_in_a_batch(target, draft, tok, refs, "mtp", ["model", "mtp"])
 
 
 def test_mtp_names_the_head_only_where_one_is_loaded(mtp):
@@ -332,9 +301,8 @@ def test_the_server_serves_mtp_beside_a_draft_model(mtp):
     """Qwen3-Next served with its draft model and --mtp, batches of 8: concurrent greedy
     requests drafting with "mtp", "model", "hybrid" and none each return the oracle's tokens,
     and the metrics count drafts per kind."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_server import Served
+    from tests.test_server import Served, assert_concurrent_greedy
     from tinydraft_mlx import server
 
     target_dir, _, _, refs, _ = mtp["qwen3_next"]
@@ -342,21 +310,8 @@ def test_the_server_serves_mtp_beside_a_draft_model(mtp):
         ["--target", str(target_dir), "--draft", str(target_dir.parent / "draft"), "--mtp",
          "--max-batch", "8", "--model-name", "m"])
     served = Served(server.build_app(args))
-    kinds = ["mtp", "model", "hybrid", "none"]
     try:
-        client = served.client()
-
-        def ask(i: int) -> list[int]:
-            ids, _ = refs[i % len(refs)]
-            r = client.completions.create(
-                model="m", prompt=ids, max_tokens=12, temperature=0.0,
-                extra_body={"draft": kinds[i % 4], "num_draft_tokens": 3})
-            return r.choices[0].model_extra["tinydraft"]["token_ids"]
-
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, range(8)))
-        for i, tokens in enumerate(answers):
-            assert tokens == refs[i % len(refs)][1][:12], i
+        assert_concurrent_greedy(served, refs, ["mtp", "model", "hybrid", "none"], 8)
         metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
         assert 'tinydraft_draft_tokens_total{draft="mtp"}' in metrics
     finally:

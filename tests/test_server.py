@@ -77,6 +77,27 @@ class Served:
             time.sleep(0.02)
 
 
+def assert_concurrent_greedy(served: Served, refs, kinds: list[str], n: int,
+                             max_tokens: int = 12) -> None:
+    """`n` concurrent greedy completions (request i: refs[i]'s prompt, draft kinds[i], k = 3)
+    each return the reference tokens (refs[i][1], cut to `max_tokens`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = served.client()
+
+    def ask(i: int) -> list[int]:
+        ids, _ = refs[i % len(refs)]
+        r = client.completions.create(
+            model="m", prompt=ids, max_tokens=max_tokens, temperature=0.0,
+            extra_body={"draft": kinds[i % len(kinds)], "num_draft_tokens": 3})
+        return r.choices[0].model_extra["tinydraft"]["token_ids"]
+
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(ask, range(n)))
+    for i, tokens in enumerate(answers):
+        assert tokens == refs[i % len(refs)][1][:max_tokens], i
+
+
 @pytest.fixture(scope="module")
 def models():
     """The demo pair with its own tokenizer (given a chat template here, so the shared demo

@@ -1,0 +1,75 @@
+"""results/README.md's sections for the heads that read the target: the demo target's trained
+heads (results/train_heads.json) and every drafter side by side (results/drafters.json).
+Called by render_readme.py."""
+
+from __future__ import annotations
+
+
+def train_heads(r: dict) -> list[str]:
+    lines = [
+        "**The demo target's heads** (`python bench/train_heads.py`; trained on the target's own "
+        "distributions over the demo's training text, one step ahead, teacher-forced; "
+        "[json](results/train_heads.json), [plot](results/train_heads.png)): top-1 agreement "
+        "with the target on held-out stdlib code, teacher-forced",
+        "",
+        "| head | parameters (own) | steps x batch x tokens | train time | before | after |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, label in (("mtp", "MTP layer (demo/target/mtp.safetensors)"),
+                        ("eagle3", "EAGLE-3, 2,048-token draft vocabulary (demo/eagle3/)")):
+        if name not in r:
+            continue
+        h, s = r[name], r[name]["settings"]
+        lines.append(f"| {label} | {h['parameters'] / 1e6:.2f}M | {s['steps']} x {s['batch']} x "
+                     f"{s['seq']} | {h['train_seconds'] / 60:.1f} min | "
+                     f"{h['held_out_before']['top1_agreement']:.2f} | "
+                     f"{h['held_out_after']['top1_agreement']:.2f} |")
+    return lines
+
+
+def drafters(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    cells = [(t, b) for t in s["temperatures"] for b in s["batches"]]
+
+    def label(t: float, b: int) -> str:
+        return f"{'greedy' if t == 0 else f'T = {t}'}, B = {b}"
+
+    lines = [
+        f"**Every drafter on the demo target** (`python bench/drafters.py`; {s['dtype']}, "
+        f"{s['max_tokens']} tokens per prompt, {s['prompts']}; T = 0.7 with top-p 0.8, top-k "
+        f"20; one process per drafter and setting, median of {s['repeats']}; {m['device']}; "
+        "greedy outputs equal plain decoding's: "
+        f"{'yes' if r['greedy_outputs_equal_plain'] else 'NO'}; [json](results/drafters.json), "
+        "[plot](results/drafters.png)): the best fixed k's tokens/s over plain decoding's, "
+        "with its acceptance and mean accepted length per drafting round",
+        "",
+        "| drafter | " + " | ".join(label(t, b) for t, b in cells) + " |",
+        "| --- |" + " --- |" * len(cells),
+    ]
+    for contender in s["contenders"]:
+        row = []
+        for t, b in cells:
+            rows = [x for x in r["summary"] if x["contender"] == contender
+                    and (x["temperature"], x["batch"]) == (t, b)]
+            best = max(rows, key=lambda x: x["tps"])
+            if contender == "none":
+                row.append(f"1.00x ({best['tps']:.0f} tok/s)")
+            else:
+                row.append(f"{best['vs_plain']:.2f}x (k = {best['k']}, {best['acceptance']:.2f}, "
+                           f"{best['mean_accepted']:.2f})")
+        lines.append(f"| {contender} | " + " | ".join(row) + " |")
+    lines += ["", "Acceptance per draft position at k = 4, greedy, B = 1:", "",
+              "| drafter | 1 | 2 | 3 | 4 |", "| --- | --- | --- | --- | --- |"]
+    for contender in s["contenders"][1:]:
+        row = next(x for x in r["summary"] if x["contender"] == contender and x["k"] == 4
+                   and (x["temperature"], x["batch"]) == (0.0, 1))
+        per = [f"{p:.2f}" if p is not None else "-" for p in row["per_position"][:4]]
+        lines.append(f"| {contender} | " + " | ".join(per) + " |")
+    c = r["head_costs"]
+    lines += ["", f"What a head's step costs beside the target's (random Qwen3.5-shaped target, "
+              f"{c['target_layers']} layers of Qwen3.5-0.8B's shapes, vocabulary {c['vocab']}, "
+              f"after a {c['prompt']}-token prompt, median of {c['repeats']}): target step "
+              f"{c['target_ms']:.1f} ms, MTP layer step {c['mtp_ms']:.1f} ms "
+              f"({c['mtp_vs_target']:.2f}x), EAGLE-3 step {c['eagle3_ms']:.1f} ms "
+              f"({c['eagle3_vs_target']:.2f}x)."]
+    return lines
