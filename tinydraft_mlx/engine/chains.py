@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from . import seeded
 from .cache import Cache, cache_length
-from .forward import PREFILL_STEP, forward, model_inputs, prefill
+from .forward import PREFILL_STEP, model_inputs, prefill
 from .sampling import draw, process_logits, sample_rows, sampling_groups, warp
 
 
@@ -262,7 +262,7 @@ class HeadChain(Chain):
         for at in range(0, todo, PREFILL_STEP):
             n = min(PREFILL_STEP, todo - at)
             tokens = mx.array([row.seq[fed + at : fed + at + n]], dtype=mx.int32)
-            forward(self.model, tokens, cache, hidden=pending[None, at : at + n])
+            self.model(tokens, cache, hidden=pending[None, at : at + n])  # eager: a prefill
             mx.eval([layer.state for layer in cache])
         feed.states = [pending[todo:]] if todo < available else []
         return 0, True

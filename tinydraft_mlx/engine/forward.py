@@ -19,7 +19,9 @@ zero; max |logit difference| 5.7e-6 on logits up to 10, float32, over 150 random
 rollbacks). The model's parameters are inputs of the compiled step, read at every call, so
 weights changed after a trace (`model.update`, fused adapters) are used as the eager forward uses
 them. Used for Qwen2, Qwen3, Llama and Mistral models (the architectures the tests check against
-the oracle, tests/test_architectures.py) on one process. Bounded caches (`max_kv_size`,
+the oracle, tests/test_architectures.py) on one process, and for a head that reads such a target's
+states (an MTP layer, an EAGLE-3 head: hidden.StateHead; the states are one more input of the
+step, the target's shared embeddings and head too). Bounded caches (`max_kv_size`,
 `RollbackRotatingKVCache`) are fixed-size buffers already: their step takes the write position as
 an array too, writes each new position into its slot and masks by stored position with the eager
 cache's own position functions (cache.py), for forwards the cache writes in place (at most margin
@@ -123,8 +125,8 @@ class _Compiled:
     """A model's compiled steps (on unbounded caches; on bounded ones, one per bound) and the
     shapes they have been traced for."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, inputs: tuple[str, ...] = ()) -> None:
+        self.model, self.inputs = model, inputs  # inputs: its keyword inputs beside the ids
         self.step = self._compile(_Slot)
         self.ring_steps: dict[tuple[int, int, int], Callable] = {}
         self.shapes: set[tuple] = set()
@@ -133,18 +135,20 @@ class _Compiled:
     def _compile(self, slot: Callable[..., Any]) -> Callable:
         model, state = self.model, self
 
-        def step(tokens, offset, keys, values):
+        def step(tokens, offset, keys, values, *extra):
             slots = [slot(k, v, offset) for k, v in zip(keys, values)]
             with hidden.capture() as seen:  # a watched model's states (hidden.py)
-                logits = model(tokens, cache=slots)
+                logits = model(tokens, cache=slots, **dict(zip(state.inputs, extra)))
             state.tags = [tag for tag, _ in seen]  # the same at every trace of this model
             return (logits, [s.keys for s in slots], [s.values for s in slots],
                     [a for _, a in seen])
 
         # the parameters are inputs, read at every call: a closure's arrays would be frozen into
         # the trace as constants, so a weight changed later (model.update, adapters, training)
-        # would be ignored by decode steps while the eager prefill used it
-        return mx.compile(step, inputs=model.state)
+        # would be ignored by decode steps while the eager prefill used it (a head's shared
+        # embeddings and LM head are its target's)
+        target = getattr(model, "target", None)
+        return mx.compile(step, inputs=[model.state] + ([target.state] if target else []))
 
     def ring_step(self, keep: int, window: int, ring: int) -> Callable:
         """The step on bounded caches of this shape (sinks, window, ring), compiled once."""
@@ -168,8 +172,10 @@ def _compiled(model: Any) -> _Compiled | None:
     kernels = model.__dict__.get(_KERNELS)
     state = states.get(kernels)
     if state is None:
-        ok = _model_type(model) in SUPPORTED and ranks_of(model) is None
-        state = states[kernels] = _Compiled(model) if ok else False
+        head = isinstance(model, hidden.StateHead)  # its layer is of its target's kind
+        body = model.target if head else model
+        ok = _model_type(body) in SUPPORTED and ranks_of(body) is None
+        state = states[kernels] = _Compiled(model, ("hidden",) if head else ()) if ok else False
     return state or None
 
 
@@ -234,29 +240,37 @@ def _reserve(cache: list[KVCache], need: int) -> int:
 def forward(model: nn.Module, tokens: mx.array, cache: list[Any], **inputs: Any) -> Any:
     """`model(tokens, cache=cache)`, (1, L) ids -> (1, L, V) logits, lazily; compiled where it
     applies (see the module docstring), else the eager forward. The cache advances by L either
-    way. `inputs`: more keyword inputs of the model (an MTP head's hidden states; eager)."""
-    state = _compiled(model) if enabled() and not inputs else None
-    if state is None or not cache or cache[0].keys is None:
+    way. `inputs`: more keyword inputs of the model (a head's states: hidden.StateHead)."""
+    state = _compiled(model) if enabled() else None
+    if state is None or not cache or cache[0].keys is None or set(inputs) != set(state.inputs):
         return model(tokens, cache=cache, **inputs)
     offset, n = cache[0].offset, tokens.shape[1]
     if all(type(layer) is KVCache for layer in cache):
         size = _reserve(cache, offset + n)
         step = state.step
-        _traced_shape(state, (n, size))
+        _traced_shape(state, (n, size, *_widths(inputs)))
     elif _ring_in_place(cache, n):
         first = cache[0]
         step = state.ring_step(first.keep, first.window, first.ring)
-        _traced_shape(state, ("ring", n, first.keep, first.window, first.ring))
+        _traced_shape(state, ("ring", n, first.keep, first.window, first.ring,
+                              *_widths(inputs)))
     else:
         return model(tokens, cache=cache)
     logits, keys, values, seen = step(tokens, mx.array(offset, dtype=mx.int32),
                                       [layer.keys for layer in cache],
-                                      [layer.values for layer in cache])
+                                      [layer.values for layer in cache],
+                                      *[inputs[name] for name in state.inputs])
     hidden.record(state.tags, seen)
     for layer, k, v in zip(cache, keys, values):
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
     return logits
+
+
+def _widths(inputs: dict[str, Any]) -> tuple:
+    """The last dimension of each keyword input: a trace per width (an EAGLE-3 head's first
+    step reads the fused states, its next ones its own)."""
+    return tuple(v.shape[-1] for v in inputs.values())
 
 
 def _ring_in_place(cache: Cache, n: int) -> bool:
@@ -281,17 +295,19 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any)
     16.3-19.6; B = 32 x 1: 21-26 vs 17-18. `inputs` as `forward`'s."""
     n = tokens.shape[1]
     small = tokens.shape[0] * n <= COMPILED_POSITIONS
-    state = _compiled(model) if enabled() and small and not inputs else None
-    if state is None or cache.bounded or cache.layers[0].keys is None:
+    state = _compiled(model) if enabled() and small else None
+    if state is None or cache.bounded or cache.layers[0].keys is None \
+            or set(inputs) != set(state.inputs):
         cache.reserve(n)
         logits = model(tokens, cache=cache.layers, **inputs)
     else:
         size = buffer_size(max(cache.lengths) + n)
         cache.reserve(n, size)
-        _traced_shape(state, (tokens.shape[0], n, size))
+        _traced_shape(state, (tokens.shape[0], n, size, *_widths(inputs)))
         logits, keys, values, seen = state.step(tokens, cache.offsets(),
                                                 [layer.keys for layer in cache.layers],
-                                                [layer.values for layer in cache.layers])
+                                                [layer.values for layer in cache.layers],
+                                                *[inputs[name] for name in state.inputs])
         hidden.record(state.tags, seen)
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values = k, v

@@ -161,7 +161,8 @@ def forward_ms(model, ids: list[int], n: int, repeats: int = 5) -> float:
         for _ in range(repeats + 1):
             x = mx.array([ids[-1]] * n, dtype=mx.int32)[None]
             start = time.perf_counter()
-            mx.eval(model(x, cache, hidden=states[:, -1:]) if head else forward(model, x, cache))
+            extra = {"hidden": states[:, -1:]} if head else {}
+            mx.eval(forward(model, x, cache, **extra))
             times.append(time.perf_counter() - start)
             rollback(cache, len(ids) - head)
     return 1000 * statistics.median(times[1:])
