@@ -408,15 +408,15 @@ def build_gemma4(root: Path) -> Path:
 
 # MTP layers (tests/test_mtp.py): the tensors a checkpoint ships beside the target's, under the
 # hub's names, built from the target's own attention layer so the layer agrees with it often
-MTP_FAMILIES = ("qwen3", "qwen3_next", "qwen3_5")
+MTP_FAMILIES = ("qwen3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 HEAD_PROMPTS = [  # the heads' tests' prompts (tests/test_mtp.py, tests/test_eagle.py)
     "def parse_args(self, args=None, namespace=None):\n    if args is None:",
     "import os\nimport sys\n\nclass Encoder(object):\n    def",
     "x = 1",
     "class",
 ]
-ZERO_CENTRED = ("qwen3_next", "qwen3_5")  # RMSNorm weights stored as scale - 1
-FIRST_ATTENTION = {"qwen3": 0, "qwen3_next": 1, "qwen3_5": 1}  # the layer the head mimics
+ZERO_CENTRED = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # RMSNorm weights stored as scale - 1
+FIRST_ATTENTION = {"qwen3": 0, "qwen3_next": 1, "qwen3_5": 1, "qwen3_5_moe": 1}  # mimicked
 
 
 def write_mtp(target_dir: Path, family: str, layout: str = "mtp", noise: float = 0.01,

@@ -1,7 +1,7 @@
 """The target's own MTP layer as a drafter (engine/mtp.py, engine/chains.py's HeadChain).
 
-Tiny checkpoints are built at test time with transformers 5 (a dense Qwen3, Qwen3-Next with MoE,
-Qwen3.5): the target (its layers but the first attention one damped, tests/fixtures.py) and its
+Tiny checkpoints are built at test time with transformers 5 (a dense Qwen3, Qwen3-Next with MoE
+(experts stored one by one), Qwen3.5 dense and MoE (experts fused)): the target (its layers but the first attention one damped, tests/fixtures.py) and its
 MTP tensors under the hub's names (Qwen3-Next / Qwen3.5: inside model.safetensors, as the hub
 ships them; the dense one beside it in mtp.safetensors; DeepSeek-V3's layout once), the layer a
 noisy copy of the target's first attention layer, so that it agrees with the target on some
@@ -61,7 +61,7 @@ pytestmark = pytest.mark.usefixtures("cpu_fp32")
 PROMPTS = HEAD_PROMPTS
 NEW = 24
 MIN_MARGIN = 1e-3
-DAMP = {"qwen3": 0.1, "qwen3_next": 0.02, "qwen3_5": 0.02}
+DAMP = {"qwen3": 0.1, "qwen3_next": 0.02, "qwen3_5": 0.02, "qwen3_5_moe": 0.02}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,8 @@ def _reference_head(target_dir, family, oracle, ids):
     one = AutoModelForCausalLM.from_config(config).eval()  # one layer: the MTP layer
     state = {f"model.layers.0.{k[len('layers.0.'):]}": v for k, v in mtp.items()
              if k.startswith("layers.0.")}
-    experts = sorted({int(k.split(".")[5]) for k in state if ".mlp.experts." in k})
+    experts = sorted({int(k.split(".")[5]) for k in state
+                      if ".mlp.experts." in k and k.split(".")[5].isdigit()})
     if experts:  # transformers keeps the experts fused in memory: (E, 2I, H) gate first
         e = "model.layers.0.mlp.experts"
         state[f"{e}.gate_up_proj"] = torch.stack([torch.cat(

@@ -162,13 +162,21 @@ def _tensor_names(file: Path) -> list[str]:
 
 
 def _experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Per-expert projections (`mlp.experts.E.P.weight`) stacked as mlx-lm's `switch_mlp`."""
+    """Per-expert projections (`mlp.experts.E.P.weight`, Qwen3-Next) stacked, and fused ones
+    (`mlp.experts.gate_up_proj` (E, 2I, H) gate first, `mlp.experts.down_proj`, Qwen3.5 MoE)
+    split, as mlx-lm's `switch_mlp`."""
     pattern = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight$")
     groups: dict[tuple[str, str], dict[int, mx.array]] = {}
     out = {}
     for name, value in weights.items():
         m = pattern.match(name)
-        if m:
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, mid = name[: -len(".experts.gate_up_proj")], value.shape[-2] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = value[..., mid:, :]
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight"] = value
+        elif m:
             groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = value
         else:
             out[name] = value
