@@ -5,7 +5,8 @@ Tiny checkpoints are built at test time with transformers 5 (a dense Qwen3, Qwen
 the first attention one damped, tests/fixtures.py) and its MTP tensors under the hub's names
 (Qwen3-Next / Qwen3.5: inside model.safetensors, as the hub ships them; the dense one beside it
 in mtp.safetensors; DeepSeek-V3's layout once), the layer a noisy copy of the target's first
-attention layer, so that it agrees with the target on some positions and not others. Checked against independent references:
+attention layer, so that it agrees with the target on some positions and not others.
+Checked against independent references:
 - the head's logits == a reference built from transformers' own modules (the same tensors: its
   decoder layer, RoPE and causal mask, with the norms and projection written here in torch),
   fed the oracle's final hidden states, to float32 rounding; and a mis-wired head (its two
