@@ -62,7 +62,7 @@ def worker(contender: str, temperature: float, batch: int) -> dict:
     texts = held_out_prompts(8, seed=0)
     sampling = {} if temperature == 0 else {"temperature": temperature, "top_p": 0.8,
                                             "top_k": 20}
-    ks = (0,) if contender == "none" else KS
+    ks = (1,) if contender == "none" else KS  # without a draft, k plays no part
 
     def run(k: int, texts: list[str], n: int) -> dict:
         start = time.perf_counter()
@@ -154,7 +154,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                                       for c in r["cells"])
             for contender in CONTENDERS:
                 rows = [r for r in same if r["contender"] == contender]
-                for i, k in enumerate((0,) if contender == "none" else KS):
+                for i, k in enumerate((1,) if contender == "none" else KS):
                     cells = [r["cells"][i] for r in rows]
                     tps = statistics.median(c["tps"] for c in cells)
                     out.append({"contender": contender, "temperature": temperature,

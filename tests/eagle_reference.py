@@ -53,25 +53,45 @@ class Eagle3Reference(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, states: torch.Tensor):
         """(B, L) next tokens, (B, L, 3 D) target states -> ((B, L, V) logits, (B, L, D) the
         layer's output, (B, kv, L, head_dim) its keys after RoPE)."""
-        g = self.fc(states)
-        e = self.embed[tokens]
-        x = torch.cat([self.rms(e, self.w_in), self.rms(g, self.w_hidden)], dim=-1)
-        b, n, _ = x.shape
-        q = self.q(x).view(b, n, self.heads, -1).transpose(1, 2)
-        k = self.k(x).view(b, n, self.kv, -1).transpose(1, 2)
-        v = self.v(x).view(b, n, self.kv, -1).transpose(1, 2)
-        q, k = self.rope(q), self.rope(k)
-        rep = self.heads // self.kv
-        scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / self.head_dim ** 0.5
-        scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
-        attn = scores.softmax(-1) @ v.repeat_interleave(rep, 1)
-        h = g + self.o(attn.transpose(1, 2).reshape(b, n, -1))
-        m = self.rms(h, self.w_post)
-        h = h + self.down(F.silu(self.gate(m)) * self.up(m))
-        small = self.lm_head(self.rms(h, self.w_norm))
-        full = small.new_full((b, n, self.width), float("-inf"))
-        full[..., self.kept] = small
+        (full, h), (k, _) = self.steps(tokens, states, 1)[0]
         return full, h, k
+
+    def steps(self, tokens: torch.Tensor, states: torch.Tensor, count: int) -> list:
+        """`count` draft steps over a teacher-forced sequence, as a chain runs them: step 1 at
+        position i reads the fused target states at i; step s > 1 at position i reads step
+        s - 1's output at i - 1 instead, and attends to step 1's keys up to i - s + 1 (entries
+        made from target states) and to step r's key at i - s + r for r = 2..s (the chain's own
+        entries). Every step at i predicts x_{i+2}. Returns [((logits, out), (keys, values))]
+        per step; step s is meaningful from position s - 1 on."""
+        e = self.rms(self.embed[tokens], self.w_in)
+        b, n, _ = e.shape
+        rep, out, cache = self.heads // self.kv, [], []
+        g = self.fc(states)
+        for s in range(1, count + 1):
+            if s > 1:  # its own previous output, one position back
+                g = torch.cat([torch.zeros_like(g[:, :1]), out[-1][0][1][:, :-1]], dim=1)
+            x = torch.cat([e, self.rms(g, self.w_hidden)], dim=-1)
+            q = self.rope(self.q(x).view(b, n, self.heads, -1).transpose(1, 2))
+            k = self.rope(self.k(x).view(b, n, self.kv, -1).transpose(1, 2))
+            v = self.v(x).view(b, n, self.kv, -1).transpose(1, 2)
+            cache.append((k, v))
+            i = torch.arange(n)[:, None]
+            j = torch.arange(n)[None, :]
+            keys = torch.cat([c[0] for c in cache], dim=2).repeat_interleave(rep, 1)
+            values = torch.cat([c[1] for c in cache], dim=2).repeat_interleave(rep, 1)
+            allowed = [j <= i - s + 1] + [j == i - s + r for r in range(2, s + 1)]
+            mask = torch.cat(allowed, dim=1)
+            scores = q @ keys.transpose(-1, -2) / self.head_dim ** 0.5
+            scores = scores.masked_fill(~mask, float("-inf"))  # its own key is always there
+            attn = scores.softmax(-1) @ values
+            h = g + self.o(attn.transpose(1, 2).reshape(b, n, -1))
+            m = self.rms(h, self.w_post)
+            h = h + self.down(F.silu(self.gate(m)) * self.up(m))
+            small = self.lm_head(self.rms(h, self.w_norm))
+            full = small.new_full((b, n, self.width), float("-inf"))
+            full[..., self.kept] = small
+            out.append(((full, h), (k, v)))
+        return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Its tensors under the speculators format's names."""

@@ -167,3 +167,28 @@ def test_chat_template_argument_and_flag(pair, checkpoints, capsys, tmp_path):
         assert main(base + args) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] == outs[2] and outs[0].strip()
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_the_demo_targets_heads_are_lossless_and_accepted(demo, demo_oracle, kind):
+    """The heads shipped with the demo target (its MTP layer, its EAGLE-3 head; trained by
+    bench/train_heads.py): greedy output == the oracle's, k in {1, 3, 6, auto}, one sequence and
+    a batch of 3; trained, so accepted often (an untrained head of the same shape: < 0.05)."""
+    from tinydraft_mlx import batch_generate, load_head
+    from tinydraft_mlx.generation.loading import DEMO_DIR, load_eagle
+
+    target, _, tok = demo
+    head = (load_head(target, DEMO_DIR / "target") if kind == "mtp"
+            else load_eagle(target, DEMO_DIR / "eagle3"))
+    refs = [(tok.encode(t), demo_oracle.greedy(tok.encode(t), 32, eos=tok.eos_token_id)[0])
+            for t in PROMPTS[:3]]
+    accepted = drafted = 0
+    for k in (1, 3, 6, "auto"):
+        for ids, ref in refs:
+            out, stats = generate(target, head, tok, ids, k=k, max_tokens=32)
+            assert out == ref, (kind, k)
+            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    outs = batch_generate(target, head, tok, [ids for ids, _ in refs], k=3, max_tokens=32)
+    assert [o for o, _ in outs] == [ref for _, ref in refs]
+    assert accepted / drafted > 0.4, accepted / drafted
