@@ -8,7 +8,8 @@ from __future__ import annotations
 def train_heads(r: dict) -> list[str]:
     lines = [
         "**The demo target's heads** (`python bench/train_heads.py`; trained on the target's own "
-        "distributions over the demo's training text, one step ahead, teacher-forced; "
+        "distributions over the demo's training text, teacher-forced: the MTP layer one step "
+        "ahead, the EAGLE-3 head over 3 chained steps; "
         "[json](results/train_heads.json), [plot](results/train_heads.png)): top-1 agreement "
         "with the target on held-out stdlib code, teacher-forced",
         "",
