@@ -184,7 +184,6 @@ def test_a_checkpoint_without_mtp_tensors_is_refused_in_one_line(mtp, tmp_path):
 def test_the_heads_cache_holds_the_target_states_of_accepted_positions(mtp):
     """After rounds that accepted and rejected, the head's cache == the head run once over the
     final sequence on the oracle's states: nothing of a rejected position's state remains."""
-    import torch
 
     _, (target, head, tok), _, refs, oracle = mtp["qwen3_next"]
     ids = refs[0][0]
@@ -203,14 +202,24 @@ def test_the_heads_cache_holds_the_target_states_of_accepted_positions(mtp):
     entries = chain.caches.lengths[0]
     skip = chain.feeds[row.uid].skip
     assert skip == 1 and entries >= len(ids) - 1
-    seq = row.seq[: entries + 1]
+    _assert_cache_holds_oracle_states([chain.caches.layers[0]], head, oracle,
+                                      decoder.rows[0].seq, entries)
+
+
+def _assert_cache_holds_oracle_states(cache, head, oracle, seq: list[int],
+                                      entries: int | None = None) -> None:
+    """The head's cache (its first `entries` entries: all by default) == the head run once on
+    the oracle's final states of `seq` (entry i: state i and token i + 1)."""
+    import torch
+
+    entries = cache[0].offset if entries is None else entries
+    seq = seq[: entries + 1]
     with torch.no_grad():
         states = oracle.model.model(torch.tensor([seq])).last_hidden_state[0, :-1].numpy()
-    cache = head.make_cache()
-    head(mx.array([seq[1:]]), cache, hidden=mx.array(states)[None])
-    layer = chain.caches.layers[0]
-    keys = np.array(layer.keys[0, :, :entries])
-    np.testing.assert_allclose(keys, np.array(cache[0].keys[0, :, :entries]), atol=2e-4)
+    ref = head.make_cache()
+    head(mx.array([seq[1:]]), ref, hidden=mx.array(states)[None])
+    np.testing.assert_allclose(np.array(cache[0].keys[0, :, :entries]),
+                               np.array(ref[0].keys[0, :, :entries]), atol=2e-4)
 
 
 # -- exact output -------------------------------------------------------------------------------
@@ -279,24 +288,54 @@ def test_mtp_names_the_head_only_where_one_is_loaded(mtp):
 
 
 # -- everywhere a drafter goes ------------------------------------------------------------------
-def test_prompt_caches_with_the_mtp_layer(mtp):
-    """A prompt cache keeps the target's cache; the head is fed from the first new token on (its
-    cache needs states the prompt cache does not hold): exact, and drafting resumes."""
+def test_prompt_caches_keep_the_head_where_it_stopped(mtp, tmp_path):
+    """A prompt cache made for the MTP layer keeps the head's cache with the target state it had
+    not read (at the cached prefix's end): a prompt that extends the cached sequence resumes the
+    head (it still counts from the first turn's first token) and the output is the oracle's; a
+    prompt that shares less restarts it, a stop string's cut and a saved file too, all exact;
+    batch_generate records it the same way."""
     from tinydraft_mlx import PromptCache
+    from tinydraft_mlx.engine.chains import HeadCache
 
     _, (target, head, tok), _, refs, oracle = mtp["qwen3"]
     ids, ref = refs[0]
     cache = PromptCache(target, "mtp")
-    out, stats = generate(target, "mtp", tok, ids, k=3, max_tokens=12, prompt_cache=cache)
-    assert out == ref[:12] and cache.draft_cache is None
+    out, _ = generate(target, "mtp", tok, ids, k=3, max_tokens=12, prompt_cache=cache)
+    kept = cache.draft_cache
+    assert out == ref[:12] and isinstance(kept, HeadCache) and kept.skip == 1
+    fed = kept[0].offset + kept.skip  # tokens the head consumed; then its unread states
+    assert fed - 1 + sum(s.shape[0] for s in kept.states) == cache.target_cache[0].offset
     longer = ids + out + tok.encode("\n    return")
     out2, stats2 = generate(target, head, tok, longer, k=3, max_tokens=16, prompt_cache=cache)
-    assert stats2.cached_tokens == len(ids) + len(out) - 1
-    assert out2 == oracle.greedy(longer, 16)[0] and stats2.drafted > 0
-    whole = PromptCache(target)  # every prompt token but the last cached: a plain first round
-    generate(target, None, tok, ids, max_tokens=1, prompt_cache=whole)
-    out3, _ = generate(target, "mtp", tok, ids + ref[:1], k=2, max_tokens=8, prompt_cache=whole)
-    assert out3 == ref[1:9]
+    assert stats2.cached_tokens == len(ids) + len(out) - 1 and stats2.drafted > 0
+    assert out2 == oracle.greedy(longer, 16)[0]
+    assert cache.draft_cache.skip == 1  # resumed, not restarted after the cached prefix
+    _assert_cache_holds_oracle_states(cache.draft_cache, head, oracle, longer + out2)
+    copy = cache.copy()
+    other = ids[:-2] + tok.encode(" pass")  # shares less: the head starts again
+    out3, _ = generate(target, "mtp", tok, other, k=3, max_tokens=12, prompt_cache=cache)
+    assert out3 == oracle.greedy(other, 12)[0] and cache.draft_cache.skip > 1
+    third = longer + out2 + tok.encode("\n")
+    out4, _ = generate(target, "mtp", tok, third, k=3, max_tokens=12, prompt_cache=copy)
+    assert out4 == oracle.greedy(third, 12)[0] and copy.draft_cache.skip == 1
+    text = tok.decode(out4[:6])
+    cut, _ = generate(target, "mtp", tok, third, k=3, max_tokens=12, prompt_cache=copy,
+                      stop=text[-2:])  # a stop string cuts the round's tokens
+    after = third + cut + tok.encode("x")
+    assert generate(target, "mtp", tok, after, k=3, max_tokens=8,
+                    prompt_cache=copy)[0] == oracle.greedy(after, 8)[0]
+    copy.save(tmp_path / "pc.safetensors")
+    loaded = PromptCache.load(tmp_path / "pc.safetensors", target, "mtp")
+    assert generate(target, "mtp", tok, after, k=3, max_tokens=8,
+                    prompt_cache=loaded)[0] == oracle.greedy(after, 8)[0]
+    batched = [PromptCache(target, "mtp") for _ in range(2)]
+    prompts = [refs[1][0], refs[2][0]]
+    batch_generate(target, "mtp", tok, prompts, k=2, max_tokens=8, prompt_cache=batched)
+    assert all(isinstance(c.draft_cache, HeadCache) and c.draft_cache.skip == 1
+               for c in batched)
+    again = [p + refs[i + 1][1][:8] + tok.encode("\n") for i, p in enumerate(prompts)]
+    outs = batch_generate(target, "mtp", tok, again, k=2, max_tokens=8, prompt_cache=batched)
+    assert [o for o, _ in outs] == [oracle.greedy(p, 8)[0] for p in again]
 
 
 def test_the_server_serves_mtp_beside_a_draft_model(mtp):

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import seeded
-from .cache import Cache, cache_length
+from .cache import Cache, cache_length, rollback
 from .forward import PREFILL_STEP, model_inputs, prefill
 from .sampling import draw, process_logits, sample_rows, sampling_groups, warp
 
@@ -220,6 +220,38 @@ class ModelChain(Chain):
     """A draft model's chain (the base class's behaviour)."""
 
 
+class HeadCache(list):
+    """A head's one-sequence cache (its layers, a list as any cache) with what it has not read:
+    `skip` (tokens counted as consumed that are no entries; None while it has none) and
+    `states` (the target states not read yet, one per token it will consume). What a prompt
+    cache keeps of a head, so that a sequence extending the cached one resumes its head."""
+
+    def __init__(self, layers: Any = (), skip: int | None = None,
+                 states: list[mx.array] | None = None) -> None:
+        super().__init__(layers)
+        self.skip, self.states = skip, list(states or [])
+
+    def keep_prefix(self, n: int) -> bool:
+        """Make it fit a target cache that holds the first `n` tokens: its unread states cut to
+        positions before n. False (nothing changed) where it cannot: it read tokens past n, or
+        its states stop short of n."""
+        if self.skip is None:
+            return True
+        fed = cache_length(self) + self.skip
+        have = sum(s.shape[0] for s in self.states)
+        if fed - 1 > n or fed - 1 + have < n:
+            return False
+        pending = _joined(self.states)
+        cut = n - (fed - 1)
+        self.states = [pending[:cut]] if cut else []
+        return True
+
+    def clear(self) -> None:
+        """Forget everything (its layers emptied in place)."""
+        rollback(self, 0)
+        self.skip, self.states = None, []
+
+
 class _Feed:
     """What a head's row has not read yet: `skip`, the tokens counted as consumed that are no
     cache entries (the first token, and a prefix the target's cache held when the row came in;
@@ -249,7 +281,11 @@ class HeadChain(Chain):
         capture `seen`) and feed the head every token it can pair with one, up to the
         sequence's last but one (the last waits for the first draft step)."""
         states = self.model.read(seen)
-        feed = self.feeds.setdefault(row.uid, _Feed())
+        feed = self.feeds.get(row.uid)
+        if feed is None:  # a prompt cache's head resumes where it stopped
+            feed = self.feeds[row.uid] = _Feed()
+            if isinstance(cache, HeadCache) and cache.skip is not None:
+                feed.skip, feed.states = cache.skip, list(cache.states)
         if feed.skip is None and states:
             feed.skip = start + 1 - cache_length(cache)
         feed.states += [s.reshape(-1, s.shape[-1]) for s in states]
@@ -268,15 +304,28 @@ class HeadChain(Chain):
         return 0, True
 
     def leave(self, rows: list[Any]) -> dict[int, Cache]:
-        """Rows out; a head's cache is not kept (its entries need states a prompt cache does
-        not hold: a sequence resumed from one feeds the head from its new tokens on)."""
+        """Rows out; a row that keeps its caches (`keep_caches`) leaves its head's cache with
+        what it has not read (`HeadCache`), cut to the sequence's last but one token (what the
+        target keeps); none where the head read past it (a stop string's cut)."""
         index = {uid: j for j, uid in enumerate(self.uids)}
         members = [r for r in rows if r.uid in index]
+        out: dict[int, Cache] = {}
+        for r in members:
+            feed = self.feeds[r.uid]
+            if not r.keep_caches or feed.skip is None:
+                continue
+            cache = self.caches.extract(index[r.uid])
+            head = cache if isinstance(cache, HeadCache) else HeadCache(cache)
+            head.skip, head.states = feed.skip, list(feed.states)
+            if head.keep_prefix(len(r.seq) - 1):
+                out[r.uid] = head
+            elif head is cache:  # a one-sequence batch's own cache: left empty, not stale
+                head.clear()
         if members:
             self._remove(index, members)
         for r in rows:
             self.feeds.pop(r.uid, None)
-        return {}
+        return out
 
     def commit(self, by_uid: dict[int, tuple[Any, int, bool, int]], seen: list | None) -> None:
         """Every row goes back to the entries made from target states (at most its length at

@@ -50,6 +50,7 @@ from .acceptance import verify
 from .backend import generation_stream
 from .batch_cache import BatchCache, SingleCache
 from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reachable, rollback
+from .chains import HeadCache
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
@@ -261,9 +262,11 @@ class BatchDecoder:
                              f"sliding-window or recurrent layers (got {k_cap})")
         if target_cache is None:
             target_cache = make_cache(self.target, self.max_kv_size, self.margin)
-        if isinstance(source.model, StateHead) or (source.model is not None
-                                                   and draft_cache is None):
-            # a head's cache is the batch's own, fed from the target's states (chains.py)
+        if isinstance(source.model, StateHead):
+            # a head's cache goes with what it has not read (a prompt cache's HeadCache)
+            if not isinstance(draft_cache, HeadCache):
+                draft_cache = HeadCache(make_cache(source.model, self.max_kv_size, self.margin))
+        elif source.model is not None and draft_cache is None:
             draft_cache = make_cache(source.model, self.max_kv_size, self.margin)
         for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
             if cache is not None and cache_length(cache) > len(prompt) - 1:
@@ -293,10 +296,14 @@ class BatchDecoder:
             if keep is not None and keep < len(done.tokens):
                 done.tokens = done.tokens[:keep]
                 end = done.stats.prompt_tokens + keep - 1
-                caches = [c for c in (done.target_cache, done.draft_cache) if c is not None]
+                head = done.draft_cache if isinstance(done.draft_cache, HeadCache) else None
+                caches = [c for c in (done.target_cache, done.draft_cache)
+                          if c is not None and c is not head]
                 if all(reachable(c, end) for c in caches):
                     for cache in caches:
                         rollback(cache, end)
+                    if head is not None and not head.keep_prefix(end):
+                        head.clear()  # it read past the cut: it starts again
                 else:  # a recurrent state cannot go back that far: nothing is kept
                     done.target_cache = done.draft_cache = None
             return done
@@ -307,7 +314,9 @@ class BatchDecoder:
                 caches = [None, None]
                 if row.keep_caches:
                     for j, cache in enumerate((row.target_cache, row.draft_cache)):
-                        if cache is not None:
+                        if isinstance(cache, HeadCache):  # its states are the batch's: dropped
+                            cache.clear()
+                        elif cache is not None:
                             rollback(cache, len(row.seq) - 1)
                             caches[j] = cache
                 return Finished(uid, [], row.stats, *caches)

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..engine.cache import cache_length, layer_kinds
+from ..engine.chains import HeadCache
 from ..engine.forward import vocab_width
 from ..engine.lookup import PromptLookup
 from ..engine.rounds import BatchDecoder, Token
@@ -167,6 +168,8 @@ def record_caches(cache: PromptCache, done: Any, ids: list[int], emitted: list[i
     cache.target_cache = done.target_cache
     if done.draft_cache is not None:
         cache.draft_cache = done.draft_cache
+    elif isinstance(cache.draft_cache, HeadCache):  # the head's state did not come back
+        cache.draft_cache.clear()
     held = cache_length(cache.target_cache)
     cache.tokens = (ids + emitted)[: held + 1]
     return True

@@ -33,7 +33,9 @@ from ..engine.cache import (
     reachable,
     rollback,
 )
-from ..engine.drafters import draft_model
+from ..engine.chains import HeadCache
+from ..engine.drafters import draft_model, resolve_drafter
+from ..engine.hidden import StateHead
 from ..engine.recurrent import RecurrentCache
 
 FORMAT = "tinydraft-mlx prompt cache 1"
@@ -83,12 +85,20 @@ class PromptCache:
             raise PromptCacheError(f"max_kv_size must be an integer > {KEEP + 1} "
                                    f"(got {max_kv_size!r})")
         self.target, self.draft = target, draft_model(draft)
+        model = resolve_drafter(draft, target=target).model
+        self.head = model if isinstance(model, StateHead) else None  # its MTP / EAGLE-3 head
         self.max_kv_size = max_kv_size
         self.tokens: list[int] = []
         self.in_use = False  # a generation is running on these caches
         self.target_cache = make_cache(target, max_kv_size, MARGIN)
         self.draft_cache = (make_cache(self.draft, max_kv_size, MARGIN)
-                            if self.draft is not None else None)
+                            if self.draft is not None else self._new_head())
+
+    def _new_head(self) -> HeadCache | None:
+        """An empty head cache (with what the head has not read: none yet), or None."""
+        if self.head is None:
+            return None
+        return HeadCache(make_cache(self.head, self.max_kv_size, MARGIN))
 
     def check_models(self, target: nn.Module, draft: Any) -> None:
         """PromptCacheError unless `target` and `draft` are the models this cache was made for."""
@@ -128,6 +138,10 @@ class PromptCache:
         keep = min(common, len(prompt) - 1)
         for name in ("target_cache", "draft_cache"):
             cache = getattr(self, name)
+            if isinstance(cache, HeadCache):  # it resumes where the target's cache ends
+                if not cache.keep_prefix(cache_length(self.target_cache)):
+                    self.draft_cache = self._new_head()
+                continue
             if cache is None:
                 continue
             target_keep = min(keep, cache_length(cache))
@@ -166,7 +180,7 @@ class PromptCache:
         arrays: dict[str, mx.array] = {}
         layers = {}
         for prefix, cache in (("target", self.target_cache), ("draft", self.draft_cache)):
-            if cache is not None:
+            if cache is not None and not isinstance(cache, HeadCache):  # a head starts anew
                 layers[prefix] = [_save_layer(layer, f"{prefix}.{i}", arrays)
                                   for i, layer in enumerate(cache)]
         info = {
@@ -212,7 +226,7 @@ class PromptCache:
             raise PromptCacheError(f"{str(path)!r} was made with another draft model "
                                    "(or without one)")
         for prefix, cache in (("target", pc.target_cache), ("draft", pc.draft_cache)):
-            if cache is not None:
+            if cache is not None and prefix in info["layers"]:
                 for i, (layer, layer_info) in enumerate(zip(cache, info["layers"][prefix])):
                     _load_layer(layer, layer_info, arrays, f"{prefix}.{i}")
         pc.tokens = list(info["tokens"])
@@ -225,6 +239,8 @@ def _copy_cache(cache: Cache | None) -> Cache | None:
     objects would let a slice update through one cache show in the other)."""
     if cache is None:
         return None
+    if isinstance(cache, HeadCache):  # its states are never updated in place: shared
+        return HeadCache(_copy_cache(list(cache)), cache.skip, cache.states)
     layers = []
     for layer in cache:
         if isinstance(layer, RecurrentCache):
