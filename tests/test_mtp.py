@@ -381,7 +381,7 @@ def test_the_check_tool_and_the_cli_take_mtp(mtp, tmp_path, capsys):
     from tinydraft_mlx.programs.check import main as check
     from tinydraft_mlx.programs.cli import main as cli
 
-    target_dir = mtp["qwen3_5"][0]
+    target_dir = mtp["qwen3"][0]  # (the check tool on a hybrid target: test_hybrid)
     report = tmp_path / "check.json"
     assert check(["--target", str(target_dir), "--draft", "mtp", "--quick",
                   "--json", str(report)]) == 0
