@@ -1,9 +1,11 @@
 """The engine: token ids in, token ids out. Sampling and logits processors (`sampling`), the
 acceptance rule (`rejection`), KV caches that roll back (`cache`), the compiled forward and the
 prefill (`forward`, `skinny` on the CPU), draft sources behind one protocol (`drafters`, with
-`lookup` and `pruning`), the choice of k (`policy`), statistics (`stats`), tensor-parallel ranks
-(`distributed`), the loop of rounds for one sequence (`speculative`) and for a batch of them
-(`batch`, on the per-row caches of `batch_cache`).
+`lookup` and `pruning`; their batched chains of draft steps in `chains`), heads that read the
+target's hidden states (`hidden` captures them; the MTP layer in `mtp`, EAGLE-3 in `eagle`),
+recurrent layers that roll back (`recurrent`), the choice of k (`policy`), statistics
+(`stats`), tensor-parallel ranks (`distributed`), the loop of rounds for one sequence
+(`speculative`) and for a batch of them (`rounds`, on the per-row caches of `batch_cache`).
 
 Knows nothing about text, the generation API or serving, which live a floor up in the package
 (`text`, `prompt_cache`, `api`, `loading`; then the server and the entry points). The public
