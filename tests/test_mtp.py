@@ -359,6 +359,38 @@ def test_the_server_serves_mtp_beside_a_draft_model(mtp):
         served.close()
 
 
+def test_a_server_drafting_with_the_mtp_layer_resumes_it_across_turns(mtp):
+    """--draft mtp: the pool's prompt caches are made for the head, so a second turn that
+    extends the first resumes its head; both turns == the oracle, and the pool holds a head."""
+    from tests.test_server import Served
+    from tinydraft_mlx import server
+    from tinydraft_mlx.engine.chains import HeadCache
+
+    target_dir, (_, _, tok), _, refs, oracle = mtp["qwen3_next"]
+    args = server.setup_arg_parser().parse_args(
+        ["--target", str(target_dir), "--draft", "mtp", "--model-name", "m"])
+    app = server.build_app(args)
+    assert app.state.service.defaults.draft == "mtp"
+    served = Served(app)
+    try:
+        client = served.client()
+        ids, ref = refs[0]
+        first = client.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0.0)
+        out = first.choices[0].model_extra["tinydraft"]["token_ids"]
+        assert out == ref[:10]
+        longer = ids + out + tok.encode("\n")
+        second = client.completions.create(model="m", prompt=longer, max_tokens=10,
+                                           temperature=0.0)
+        assert second.choices[0].model_extra["tinydraft"]["token_ids"] == \
+            oracle.greedy(longer, 10)[0]
+        assert second.usage.prompt_tokens_details.cached_tokens > len(ids)
+        pool = app.state.service.worker.pool
+        assert any(isinstance(c.draft_cache, HeadCache) and c.draft_cache.skip == 1
+                   for c in pool)
+    finally:
+        served.close()
+
+
 def test_a_server_without_the_mtp_layer_refuses_mtp_requests(mtp):
     from tests.test_server import Served
     from tinydraft_mlx import server

@@ -14,7 +14,7 @@ Not thread-safe: the server's single generation thread is its only user.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..generation.prompt_cache import PromptCache
 
@@ -41,6 +41,10 @@ class PromptCachePool:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __iter__(self) -> Iterator[PromptCache]:
+        """The pooled caches, least recently used first."""
+        return iter(list(self._entries.values()))
 
     @property
     def nbytes(self) -> int:

@@ -30,6 +30,7 @@ from fastapi import FastAPI
 
 from ..engine.cache import KEEP
 from ..engine.drafters import HYBRID, resolve_drafter
+from ..engine.hidden import StateHead
 from ..engine.lookup import NO_DRAFT
 from ..engine.mtp import MtpHead
 from ..engine.policy import DEFAULT_K
@@ -145,10 +146,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if args.mtp and not isinstance(draft, MtpHead):
         load_head(target, args.target or DEMO_DIR / "target")
     drafter = resolve_drafter(draft)
-    model, default_draft = drafter.model, drafter.name
-    if isinstance(model, MtpHead):
-        model = None  # the head drafts from the target, which carries it (draft "mtp")
-    if model is not None and args.hybrid:
+    model, default_draft = drafter.model, drafter.name  # a head is the server's draft too
+    if model is not None and args.hybrid and not isinstance(model, StateHead):
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch
     if max_batch > 1 and (which := unbatchable(target, model)) is not None:
