@@ -123,11 +123,6 @@ def active() -> list[mx.array]:
     return [a for _, a in getattr(_local, "seen", None) or []]
 
 
-def last(seen: Seen, tag: Any) -> mx.array | None:
-    """The latest state of `tag` in a capture, None if there is none."""
-    return next((a for t, a in reversed(seen) if t == tag), None)
-
-
 def gathered(seen: Seen, tag: Any) -> list[mx.array]:
     """Every state of `tag` in a capture, in order (a chunked prefill's chunks)."""
     return [a for t, a in seen if t == tag]

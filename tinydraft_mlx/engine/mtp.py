@@ -34,7 +34,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -243,8 +242,3 @@ def attach(target: nn.Module, head: MtpHead) -> None:
 def head_of(target: nn.Module | None) -> MtpHead | None:
     """The MTP head attached to `target`, None if none is."""
     return None if target is None else getattr(target, "__dict__", {}).get(_HEAD)
-
-
-def parameter_count(head: MtpHead) -> int:
-    """Parameters of the head itself (the shared embeddings and LM head not counted)."""
-    return sum(v.size for _, v in tree_flatten(head.parameters()))
