@@ -1,14 +1,14 @@
 """Draft sources, batched by construction, and the one resolver that turns the user's `draft`
 argument into one: a draft model (a `PrunedDraft` is one too), the target's own MTP layer
 (`MtpHead`, "mtp") or an EAGLE-3 head (`Eagle3Head`), prompt lookup, both a model (or a head)
-and lookup (`Hybrid`: each
-round from whichever has recently given more tokens per second), or none.
+and lookup (`Hybrid`: each round from whichever has recently given more tokens per second), or
+none.
 
 Two parts. A row's *source* (`NoDraft`, `LookupDraft`, `ModelDraft`, `HeadDraft`, `HybridDraft`)
 is the per-sequence state: `host_proposal(k)` gives a proposal made on the host (prompt lookup's
 ids, possibly none) or None where its model should draft the row; `settle(keep)` ends a round
 (the first `keep` tokens of the sequence are accepted). `Drafting` is the batch's proposer: it
-keeps one chain (chains.py) per drafting model (the draft model, the MTP head), and per round
+keeps one chain (chains.py) per drafting model (the draft model, each head), and per round
 makes every row's proposal, host ones first, then one batched chain of draft steps per model
 that a row needs (`propose`), and rolls the chains' rows back to what was accepted (`commit`).
 The engine only calls `Drafting`; it never asks what kind of source a row has.
@@ -250,8 +250,8 @@ def resolve_drafter(draft: object, model: nn.Module | None = None,
 
 def draft_model(draft: object) -> nn.Module | None:
     """The draft model behind a `draft` argument whose cache a caller may keep: None for prompt
-    lookup, plain decoding and the target's MTP layer (its cache needs the target's states,
-    which a kept cache does not hold: the batch builds it)."""
+    lookup, plain decoding and a head of the target (its cache goes with the target states it
+    has not read: chains.HeadCache)."""
     if isinstance(draft, str) and draft.lower() == MTP:
         return None
     model = resolve_drafter(draft).model
@@ -320,7 +320,8 @@ class Proposals:
 
 class Drafting:
     """The batch's proposer (see the module docstring). `model`: the draft model every row with
-    a model-backed source uses (None: none); `head`: the target's MTP head (None: none);
+    a model-backed source uses (None: none); `heads`: heads of the target (more may be added:
+    `add_head`);
     `rows`: a function making an empty rows cache for a model (a `BatchCache` or a
     `SingleCache`); `chunk`: the most tokens a catch-up feeds per forward; `width`: the target's
     vocabulary width (processors know its ids)."""

@@ -35,6 +35,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import hidden
+from .hidden import embeddings as target_embeddings
 from .mtp import MtpError
 
 EAGLE3 = "eagle3"
@@ -92,7 +93,7 @@ class Eagle3Head(hidden.StateHead):
                  hidden: mx.array | None = None) -> tuple[mx.array, mx.array]:
         if hidden is None:
             raise ValueError("an EAGLE-3 head reads the target's hidden states (hidden=...)")
-        embed = self.embed_tokens if "embed_tokens" in self else hidden_embeddings(self.target)
+        embed = self.embed_tokens if "embed_tokens" in self else target_embeddings(self.target)
         state = self.fc(hidden) if hidden.shape[-1] == self.fused else hidden
         c = cache[0] if cache else None
         out = self.layers[0](embed(tokens), state, create_attention_mask(state, c), c)
@@ -110,12 +111,6 @@ class Eagle3Head(hidden.StateHead):
         """Per forward of a capture, the three layers' states side by side, (..., L, 3 D)."""
         parts = [hidden.gathered(seen, ("after", j)) for j in self.after]
         return [mx.concatenate(states, axis=-1) for states in zip(*parts)]
-
-
-def hidden_embeddings(target: nn.Module) -> nn.Module:
-    """The target's token embeddings."""
-    stack = hidden.body(target)
-    return stack.embed_tokens
 
 
 def is_eagle3(path: str | Path) -> bool:

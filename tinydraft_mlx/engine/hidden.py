@@ -54,6 +54,15 @@ def body(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def embeddings(model: nn.Module) -> nn.Module:
+    """The model's token embeddings (what a head shares with its target); ValueError where
+    its decoder stack has none."""
+    stack = body(model)
+    if stack is None or not hasattr(stack, "embed_tokens"):
+        raise ValueError(f"{type(model).__name__} has no token embeddings a head can share")
+    return stack.embed_tokens
+
+
 def final_norm(model: nn.Module) -> nn.Module | None:
     """The module whose output the LM head reads, None where it cannot be found."""
     stack = body(model)

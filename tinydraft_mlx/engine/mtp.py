@@ -38,6 +38,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import hidden
+from .hidden import embeddings as target_embeddings
 
 MTP = "mtp"
 SHIFTED_NORMS = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # weight + 1 is the scale
@@ -71,8 +72,7 @@ class MtpHead(hidden.StateHead):
                  hidden: mx.array | None = None) -> tuple[mx.array, mx.array]:
         if hidden is None:
             raise ValueError("an MTP head reads the target's hidden states (hidden=...)")
-        stack = _stack(self.target)
-        e = self.pre_fc_norm_embedding(stack.embed_tokens(tokens))
+        e = self.pre_fc_norm_embedding(target_embeddings(self.target)(tokens))
         x = self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(hidden)], axis=-1))
         c = cache[0] if cache else None
         x = self.layers[0](x, create_attention_mask(x, c), c)
@@ -88,19 +88,12 @@ class MtpHead(hidden.StateHead):
         return hidden.gathered(seen, hidden.FINAL)
 
 
-def _stack(target: nn.Module) -> nn.Module:
-    stack = hidden.body(target)
-    if stack is None or not hasattr(stack, "embed_tokens"):
-        raise MtpError(f"{type(target).__name__} has no embeddings an MTP layer can share")
-    return stack
-
-
 def lm_head(target: nn.Module) -> Any:
     """The target's LM head as a function of its final states (tied embeddings or lm_head)."""
     text = hidden.text_model(target)
     if getattr(getattr(text, "args", None), "tie_word_embeddings", False) \
             or not hasattr(text, "lm_head"):
-        return _stack(target).embed_tokens.as_linear
+        return target_embeddings(target).as_linear
     return text.lm_head
 
 

@@ -157,9 +157,10 @@ def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None
 class BatchDecoder:
     """Rounds of speculative decoding over a changing batch of sequences (see the module
     docstring). `draft`: the draft model that model-backed sources use (None: none may), or
-    the target's MTP head (which "mtp" sources use; a head attached to the target is used
-    either way). `max_kv_size`: every sequence's caches bounded as `make_cache` bounds one
-    (then k may be at most `max_k`, the rollback margin). `prefill_step`: prompt tokens
+    a head of the target (hidden.StateHead; the MTP layer attached to the target is used either
+    way, and any other head of it may join with a sequence). `max_kv_size`: every sequence's
+    caches bounded as `make_cache` bounds one (then k may be at most `max_k`, the rollback
+    margin). `prefill_step`: prompt tokens
     prefilled per `step()`. `single`: hold one sequence at a time (also where the models cannot
     be batched)."""
 
@@ -167,7 +168,6 @@ class BatchDecoder:
                  max_kv_size: int | None = None, max_k: int = AUTO_MAX_K,
                  prefill_step: int = PREFILL_STEP, single: bool = False) -> None:
         self.ranks = ranks_of(target)
-        # the target's MTP layer drafts with its own chain (mtp.py), given here or attached
         # heads that read the target's states draft with chains of their own (chains.py): the
         # target's MTP layer where one is attached (mtp.py), and `draft` when it is a head
         heads = [h for h in (head_of(target), draft) if isinstance(h, StateHead)]

@@ -84,9 +84,9 @@ class PromptCache:
                                         or max_kv_size <= KEEP + 1):
             raise PromptCacheError(f"max_kv_size must be an integer > {KEEP + 1} "
                                    f"(got {max_kv_size!r})")
-        self.target, self.draft = target, draft_model(draft)
         model = resolve_drafter(draft, target=target).model
         self.head = model if isinstance(model, StateHead) else None  # its MTP / EAGLE-3 head
+        self.target, self.draft = target, None if self.head is not None else model
         self.max_kv_size = max_kv_size
         self.tokens: list[int] = []
         self.in_use = False  # a generation is running on these caches
