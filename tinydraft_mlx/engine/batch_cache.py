@@ -372,9 +372,11 @@ class SingleCache:
     def layers(self) -> Cache:
         return self.cache or []
 
-    def forward(self, model: nn.Module, tokens: mx.array, **inputs: Any) -> Any:
-        """(1, L) ids -> (1, L, V) logits; the row advances by L."""
-        return forward(model, tokens, self.cache, **inputs)
+    def forward(self, model: nn.Module, tokens: mx.array, *, reserve: int = 0,
+                **inputs: Any) -> Any:
+        """(1, L) ids -> (1, L, V) logits; the row advances by L. `reserve`: as
+        `forward.forward`'s."""
+        return forward(model, tokens, self.cache, reserve=reserve, **inputs)
 
     def rollback(self, keep: list[int]) -> None:
         (n,) = keep

@@ -237,16 +237,24 @@ def _reserve(cache: list[KVCache], need: int) -> int:
     return size
 
 
-def forward(model: nn.Module, tokens: mx.array, cache: list[Any], **inputs: Any) -> Any:
+def compiles(model: Any) -> bool:
+    """Whether `model`'s decode steps run compiled (on unbounded caches) in this process."""
+    return enabled() and _compiled(model) is not None
+
+
+def forward(model: nn.Module, tokens: mx.array, cache: list[Any], *, reserve: int = 0,
+            **inputs: Any) -> Any:
     """`model(tokens, cache=cache)`, (1, L) ids -> (1, L, V) logits, lazily; compiled where it
     applies (see the module docstring), else the eager forward. The cache advances by L either
-    way. `inputs`: more keyword inputs of the model (a head's states: hidden.StateHead)."""
+    way. `inputs`: more keyword inputs of the model (a head's states: hidden.StateHead).
+    `reserve`: the compiled step's buffer holds at least this many positions (a buffer fixed
+    for a whole generation: bitwise.py)."""
     state = _compiled(model) if enabled() else None
     if state is None or not cache or cache[0].keys is None or set(inputs) != set(state.inputs):
         return model(tokens, cache=cache, **inputs)
     offset, n = cache[0].offset, tokens.shape[1]
     if all(type(layer) is KVCache for layer in cache):
-        size = _reserve(cache, offset + n)
+        size = _reserve(cache, max(offset + n, reserve))
         step = state.step
         _traced_shape(state, (n, size, *_widths(inputs)))
     elif _ring_in_place(cache, n):

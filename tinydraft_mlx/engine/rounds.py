@@ -49,6 +49,9 @@ import mlx.nn as nn
 from .acceptance import verify
 from .backend import generation_stream
 from .batch_cache import BatchCache, SingleCache
+from .bitwise import MAX_K as BITWISE_MAX_K
+from .bitwise import buffer_need, pad, trim
+from .bitwise import refusal as bitwise_refusal
 from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reachable, rollback
 from .chains import HeadCache
 from .distributed import ranks_of
@@ -166,7 +169,12 @@ class BatchDecoder:
 
     def __init__(self, target: nn.Module, draft: nn.Module | None = None, *,
                  max_kv_size: int | None = None, max_k: int = AUTO_MAX_K,
-                 prefill_step: int = PREFILL_STEP, single: bool = False) -> None:
+                 prefill_step: int = PREFILL_STEP, single: bool = False,
+                 bitwise: bool = False) -> None:
+        if bitwise and (why := bitwise_refusal(target, max_kv_size)) is not None:
+            raise ParameterError("bitwise", why, True)
+        self.bitwise = bitwise  # every target forward ROWS positions, one sequence (bitwise.py)
+        single = single or bitwise
         self.ranks = ranks_of(target)
         # heads that read the target's states draft with chains of their own (chains.py): the
         # target's MTP layer where one is attached (mtp.py), and `draft` when it is a head
@@ -257,6 +265,9 @@ class BatchDecoder:
             self.drafting.add_head(source.model)
         self.drafting.check(source)
         k_cap = max_draft_length(source, k)
+        if self.bitwise and k_cap > BITWISE_MAX_K:
+            raise ParameterError("k", f"an integer in [1, {BITWISE_MAX_K}] or \"auto\" with "
+                                 "bitwise", k)
         if k_cap > self.max_k and self.limited:
             raise ValueError(f"k must be at most max_k = {self.max_k} with bounded, "
                              f"sliding-window or recurrent layers (got {k_cap})")
@@ -442,6 +453,8 @@ class BatchDecoder:
                 plain = Proposals.plain(len(self.rows))
                 for row in self.rows:
                     row.split()
+                if self.bitwise:  # this round wrote ROWS positions: keep its one real one
+                    self.target_cache.rollback([len(r.seq) for r in self.rows])
                 with mx.stream(self.stream):
                     ahead = self._verify(plain, mx.stack([r[-1:] for r in results[0]]))
                 mx.async_eval(ahead[0])
@@ -503,8 +516,14 @@ class BatchDecoder:
         x = inputs if inputs is not None else proposals.inputs([r.seq[-1] for r in self.rows])
         x = model_inputs(self.target, x)  # a wider draft's ids: clamped (acceptance.py)
         reads = self.drafting.reads_states(self.rows)
+        n, fixed = x.shape[1], {}
+        if self.bitwise:  # one row: ROWS positions, its generation's key buffer (bitwise.py)
+            row = self.rows[0]
+            x, fixed = pad(x), {"reserve": buffer_need(row.prompt_len, row.max_tokens)}
         with capture() if reads else nullcontext([]) as seen:
-            logits = self.target_cache.forward(self.target, x)  # (B, L, V)
+            logits = self.target_cache.forward(self.target, x, **fixed)  # (B, L, V)
+        if self.bitwise:
+            logits = trim(logits, seen, n)
         results, kept = verify(self.rows, proposals, logits, self._shared_key,
                                ahead=0 if inputs is None else 1)
         return results, kept, seen if reads else None

@@ -37,6 +37,7 @@ def decode(
     draft_cache: Cache | None = None,
     logits_processors: Sequence[Processor] = (),
     prompt_progress_callback: Progress | None = None,
+    bitwise: bool = False,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
     `api.stream_generate`). `draft` is anything `drafters.resolve_drafter` takes (a model, a
@@ -44,14 +45,16 @@ def decode(
     picks it every round). Caches may be passed in holding a prefix of `prompt` (it is not
     recomputed); whenever the generator stops (length, EOS, close, an error, in the prefill too)
     each cache holds at most seq[:-1]. `prompt_progress_callback(processed, total)` follows the
-    target's prefill of the prompt tokens not already cached.
+    target's prefill of the prompt tokens not already cached. `bitwise`: every target forward
+    carries the same number of positions (`bitwise.py`): greedy output is plain greedy
+    decoding's bit for bit.
 
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
     source = resolve_drafter(draft, target=target)
     decoder = BatchDecoder(target, source.model, max_k=max(1, max_draft_length(source, k)),
-                           single=True)
+                           single=True, bitwise=bitwise)
     uid = decoder.insert(prompt, draft=source, k=k, max_tokens=max_tokens, sampling=sampling,
                          eos_token_ids=eos_token_ids, logits_processors=logits_processors,
                          target_cache=target_cache, draft_cache=draft_cache, logprobs=True,

@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from ..engine.bitwise import refusal as bitwise_refusal
 from ..engine.cache import KEEP, Cache, cache_length, make_cache
 from ..engine.drafters import Source, resolve_drafter
 from ..engine.forward import vocab_width
@@ -63,6 +64,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     prompt_progress_callback: Progress | None = None,
     chat_template: str | None = None,
+    bitwise: bool = False,
     options: Options | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `target`, drafting with `draft`, yielding a `GenerationResponse` per token as
@@ -82,6 +84,10 @@ def stream_generate(
     float difference between a one-row and a (k+1)-row forward pass: the verify pass scores k+1
     rows at once, and matmuls of different shapes round differently (fp32 logits of the demo
     target differ by up to ~6e-6), so only a near-tie (top-2 logit gap of that size) can flip.
+    bitwise=True removes that difference: every target forward carries the same number of
+    positions (9) and one key buffer, so greedy output is plain greedy decoding's (also with
+    bitwise=True) bit for bit, on any device; k at most 8; one sequence per forward; for
+    targets whose decode step runs compiled (Qwen2/Qwen3/Llama/Mistral) with unbounded caches.
 
     Sampling order: logits processors -> temperature -> top-k -> top-p -> min-p (transformers'
     and vLLM's order), and top-k keeps ties with the k-th logit. mlx-lm filters at temperature 1
@@ -106,7 +112,7 @@ def stream_generate(
     prompt_progress_callback(processed, total): during the prefill of the uncached prompt tokens.
     options: an `Options` from `make_options` instead of the keyword arguments it holds (k,
     max_tokens, sampling, stop, penalties, logit_bias, logits_processors, max_kv_size,
-    chat_template); giving both is refused.
+    chat_template, bitwise); giving both is refused.
     """
     given = dict(k=k, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  min_p=min_p, seed=seed, max_kv_size=max_kv_size,
@@ -115,7 +121,7 @@ def stream_generate(
                  presence_penalty=presence_penalty, presence_context_size=presence_context_size,
                  frequency_penalty=frequency_penalty,
                  frequency_context_size=frequency_context_size, logit_bias=logit_bias,
-                 stop=stop, chat_template=chat_template)
+                 stop=stop, chat_template=chat_template, bitwise=bitwise)
     options = options_from(options, given, vocab_width(target))
     plan = prepare(target, draft, tokenizer, prompt, options, prompt_cache=prompt_cache,
                    prompt_progress_callback=prompt_progress_callback)
@@ -139,7 +145,7 @@ def run_prepared(target: nn.Module, plan: Prepared, tokenizer: Any) -> Iterator[
             target, plan.drafter, plan.ids, k=plan.options.k, max_tokens=plan.options.max_tokens,
             sampling=plan.sampling, eos_token_ids=plan.eos, target_cache=target_cache,
             draft_cache=draft_cache, logits_processors=plan.processors,
-            prompt_progress_callback=plan.progress,
+            prompt_progress_callback=plan.progress, bitwise=plan.options.bitwise,
         )
 
     return _stream(steps, caches, tokenizer, plan.options.stop, plan.eos, prompt_cache, plan.ids)
@@ -215,6 +221,8 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
                   "a smaller window needs a smaller k)" if k_eff else ""
             raise ParameterError("max_kv_size", f"an integer >= {need}{why}",
                                  max_kv_size) from None
+    if options.bitwise and (why := bitwise_refusal(target, max_kv_size)) is not None:
+        raise ParameterError("bitwise", why, True)
     if prompt_cache is not None:
         prompt_cache.check_models(target, drafter.model)
         prompt_cache.check_free()

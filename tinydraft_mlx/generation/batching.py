@@ -40,8 +40,10 @@ def batch_generate(
 ) -> list[tuple[list[int], GenerationStats]]:
     """Generate for every prompt at once, in batched rounds: one `(token ids, stats)` per prompt,
     in order. Takes `generate`'s keyword arguments (k, max_tokens, temperature, top_p, top_k,
-    min_p, seed, max_kv_size, logits processors and penalties, stop, prompt_cache); max_tokens,
-    stop, seed and prompt_cache may also be lists, one entry per prompt.
+    min_p, seed, max_kv_size, logits processors and penalties, stop, prompt_cache, bitwise);
+    max_tokens, stop, seed and prompt_cache may also be lists, one entry per prompt. Where the
+    sequences cannot share forwards (bitwise=True, a tensor-parallel target), they run one after
+    another.
 
     Exactness: each prompt's output is what `generate` gives it alone. Greedy: the same tokens
     (up to the float rounding of batched matmuls on a near-tie, see docs/design.md). Sampled:
@@ -74,14 +76,17 @@ def batch_generate(
         raise ParameterError("max_kv_size", "the same bound for every prompt of a batch",
                              sorted(bounds, key=str))
     bound = bounds.pop()
+    bitwise = plans[0].options.bitwise  # one value for the batch (not a per-prompt option)
     max_k = max(p.k_eff for p in plans)
     if caches and (bound is not None or any(kind != "kv" for kind in layer_kinds(target) or [])):
         max_k = MARGIN - 1  # the row layout of a prompt cache's bounded and windowed layers
     decoder = BatchDecoder(target, _draft_model(plans),
-                           max_kv_size=bound, max_k=max(1, max_k))
+                           max_kv_size=bound, max_k=max(1, max_k), bitwise=bitwise)
     with ExitStack() as held:
         for cache in caches:
             held.enter_context(cache.taken())
+        if decoder.single:  # one sequence at a time (bitwise, a tensor-parallel target, ...)
+            return [_run(decoder, [plan], tokenizer)[0] for plan in plans]
         return _run(decoder, plans, tokenizer)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_lm.sample_utils import make_logits_processors
 
+from ..engine.bitwise import MAX_K as BITWISE_MAX_K
 from ..engine.cache import KEEP
 from ..engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
 from ..engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
@@ -37,7 +38,9 @@ class Options:
     processors -> temperature -> top-k -> top-p -> min-p. Penalties and logit_bias follow
     mlx-lm's `make_logits_processors` (None turns a penalty off, and so does 0 for the presence
     and frequency penalties; a repetition_penalty of 1 is neutral). logprobs: how many top
-    log-probabilities a server reply lists per token (None: none)."""
+    log-probabilities a server reply lists per token (None: none). bitwise: every target
+    forward carries the same number of positions, so greedy output is plain greedy decoding's
+    bit for bit on any device (engine/bitwise.py; k at most BITWISE_MAX_K)."""
 
     k: int | str = DEFAULT_K
     max_tokens: int = 256
@@ -58,6 +61,7 @@ class Options:
     max_kv_size: int | None = None
     chat_template: str | None = None
     logprobs: int | None = None
+    bitwise: bool = False
 
     @property
     def sampling(self) -> SamplingParams:
@@ -130,6 +134,11 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
         raise ParameterError("chat_template", "a non-empty Jinja template string", template)
     if values["logprobs"] is not None:
         check_int("logprobs", values["logprobs"], 0, MAX_TOP_LOGPROBS)
+    if not isinstance(values["bitwise"], bool):
+        raise ParameterError("bitwise", "True or False", values["bitwise"])
+    if values["bitwise"] and values["k"] != AUTO and values["k"] > BITWISE_MAX_K:
+        raise ParameterError("k", f'an integer in [1, {BITWISE_MAX_K}] or "auto" with bitwise',
+                             values["k"])
     return Options(**values)
 
 
@@ -172,6 +181,7 @@ FLAGS = {
     "stop": "--stop",
     "draft_vocab": "--draft-vocab",
     "draft_vocab_counts": "--draft-vocab-counts",
+    "bitwise": "--bitwise",
 }
 
 

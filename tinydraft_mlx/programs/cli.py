@@ -74,6 +74,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-counts", default=None, metavar="FILE",
                    help="token counts for --draft-vocab (python -m tinydraft_mlx.vocab; default: "
                         "the demo pair's)")
+    p.add_argument("--bitwise", action="store_true",
+                   help="every target forward carries the same number of positions: greedy "
+                        "output is plain greedy decoding's bit for bit on any device (k <= 8)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a Jinja chat template (text, or a file) to apply instead (implies "
@@ -124,7 +127,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Op
     try:
         return make_options(k=args.k, max_tokens=args.max_tokens, temperature=args.temp,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, stop=args.stop, max_kv_size=args.max_kv_size)
+                            seed=args.seed, stop=args.stop, max_kv_size=args.max_kv_size,
+                            bitwise=args.bitwise)
     except ParameterError as err:
         _fail(parser, flag_message(err))
 

@@ -28,6 +28,8 @@ from typing import NoReturn
 
 from fastapi import FastAPI
 
+from ..engine.bitwise import MAX_K as BITWISE_MAX_K
+from ..engine.bitwise import refusal as bitwise_refusal
 from ..engine.cache import KEEP
 from ..engine.drafters import HYBRID, resolve_drafter
 from ..engine.hidden import StateHead
@@ -86,6 +88,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=DEFAULT_BATCH,
                    help="requests generated together, as one batch of speculative rounds; 1: "
                         f"one at a time ({DEFAULT_BATCH})")
+    p.add_argument("--bitwise", action="store_true",
+                   help="every target forward carries the same number of positions: greedy "
+                        "output is plain greedy decoding's bit for bit on any device; requests "
+                        "run one at a time, k <= 8")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="default max_tokens of a request (512)")
     p.add_argument("--temp", type=float, default=0.0,
@@ -127,6 +133,8 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             if (args.draft or "").lower() != NO_DRAFT:
                 check_k(k, args.max_kv_size)
         SamplingParams(args.temp, 1.0, 0, 0.0, None)
+        if args.bitwise and k != "auto":
+            check_int("-k", k, 1, BITWISE_MAX_K)
     except ParameterError as err:
         _fail(parser, flag_message(err))
 
@@ -150,6 +158,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if model is not None and args.hybrid and not isinstance(model, StateHead):
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch
+    if args.bitwise:
+        if (why := bitwise_refusal(target, args.max_kv_size)) is not None:
+            raise ParameterError("--bitwise", why, True)
+        if max_batch > 1:
+            print("--bitwise: requests run one at a time (--max-batch 1)", file=sys.stderr)
+        max_batch = 1
     if max_batch > 1 and (which := unbatchable(target, model)) is not None:
         print(f"the {which} model's layers cannot share a batch (a tensor-parallel target, or "
               "caches of a kind batches do not hold): requests run one at a time "
@@ -157,7 +171,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         max_batch = 1
     worker = Worker(target, model, tokenizer, max_kv_size=args.max_kv_size,
                     cache_bytes=args.prompt_cache_bytes, max_queue=args.max_queue,
-                    max_batch=max_batch)
+                    max_batch=max_batch, bitwise=args.bitwise)
     name = args.model_name or args.target or "tinydraft-demo"
     defaults = Defaults(k=args.k, draft=default_draft, max_tokens=args.max_tokens,
                         temperature=args.temp)

@@ -209,7 +209,8 @@ class Service:
                 stop=spec.stop, presence_penalty=spec.presence_penalty,
                 frequency_penalty=spec.frequency_penalty,
                 repetition_penalty=spec.repetition_penalty,
-                logit_bias=self._logit_bias(spec), logprobs=spec.logprobs)
+                logit_bias=self._logit_bias(spec), logprobs=spec.logprobs,
+                bitwise=self.worker.bitwise)
             # checked whatever the draft: a bad value is an error, never ignored
             check_k(options.k, self.worker.max_kv_size if draft != NO_DRAFT else None)
         except ParameterError as err:

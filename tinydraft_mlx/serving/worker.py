@@ -118,15 +118,18 @@ class WorkerDown(Exception):
 
 class Worker:
     """The generation thread, its bounded queue (`max_queue` waiting jobs) and its prompt-cache
-    pool (`cache_bytes`; caches bounded by `max_kv_size` when given)."""
+    pool (`cache_bytes`; caches bounded by `max_kv_size` when given). `bitwise`: every
+    generation in the bit-for-bit mode (engine/bitwise.py; one at a time, max_batch 1)."""
 
     def __init__(self, target: nn.Module, draft: nn.Module | None, tokenizer: Any, *,
                  max_kv_size: int | None = None, cache_bytes: int = 1 << 30,
-                 max_queue: int = 32, max_batch: int = 1) -> None:
+                 max_queue: int = 32, max_batch: int = 1, bitwise: bool = False) -> None:
         for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-        self.max_batch = max_batch
+        if bitwise and max_batch != 1:
+            raise ValueError(f"max_batch must be 1 with bitwise (got {max_batch})")
+        self.max_batch, self.bitwise = max_batch, bitwise
         self.live: dict[int, _Live] = {}  # uid -> the batch's jobs
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.max_kv_size = max_kv_size
@@ -230,7 +233,7 @@ class Worker:
         return BatchDecoder(self.target, self.draft, max_kv_size=self.max_kv_size,
                             max_k=MARGIN - 1,  # the row layout of the pool's bounded caches
                             prefill_step=PREFILL_STEP if single else JOIN_PREFILL_STEP,
-                            single=single)
+                            single=single, bitwise=self.bitwise)
 
     def _admit_waiting(self, decoder: BatchDecoder) -> bool:
         """Take waiting jobs into the batch (blocking while it is empty); True on stop."""
