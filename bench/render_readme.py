@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import render_heads
+import render_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -708,6 +709,7 @@ def main() -> None:
         ("adaptive", adaptive),
         ("bounded_memory", bounded_memory),
         ("row_consistency", row_consistency),
+        ("bitwise", render_numerics.bitwise),
         ("plain", plain),
         ("draft_vocab", draft_vocab),
         ("distributed", distributed),

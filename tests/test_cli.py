@@ -18,6 +18,17 @@ def test_cli_streams_text_and_prints_summary(checkpoints, capsys):
     assert "speculative k=3: 20 tokens" in err
 
 
+def test_cli_bitwise_prints_plain_decodings_text(checkpoints, capsys):
+    """--bitwise: the speculative run prints the plain run's text."""
+    texts = []
+    for draft in (str(checkpoints["draft"]), "none"):
+        code = main(["--target", str(checkpoints["target"]), "--draft", draft, "--bitwise",
+                     "--prompt", "def parse_args(", "--max-tokens", "24", "-k", "3"])
+        texts.append(capsys.readouterr().out)
+        assert code == 0 and texts[-1].strip()
+    assert texts[0] == texts[1]
+
+
 EDITING = (
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
     "class Vector:\n    def __init__(self, x, y):\n"
@@ -87,6 +98,9 @@ def test_cli_plain_decoding_from_stdin(checkpoints):
         (["--chat"], "--chat: this tokenizer has no chat template"),
         (["--target", "/no/such/model"], "model directory '/no/such/model' does not exist"),
         (["--draft", "OTHER"], "tokenizer differs from the target's"),
+        (["--bitwise", "-k", "9"], '--num-draft-tokens must be an integer in [1, 8] or "auto" '
+                                   "with bitwise (got 9)"),
+        (["--bitwise", "--max-kv-size", "64"], "--bitwise must be False with max_kv_size 64"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(checkpoints, capsys, args, expected):

@@ -133,8 +133,9 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             if (args.draft or "").lower() != NO_DRAFT:
                 check_k(k, args.max_kv_size)
         SamplingParams(args.temp, 1.0, 0, 0.0, None)
-        if args.bitwise and k != "auto":
-            check_int("-k", k, 1, BITWISE_MAX_K)
+        if args.bitwise and k != "auto" and k > BITWISE_MAX_K:
+            raise ParameterError("k", f'an integer in [1, {BITWISE_MAX_K}] or "auto" with '
+                                 "--bitwise", k)
     except ParameterError as err:
         _fail(parser, flag_message(err))
 
