@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device run (the GPU-exactness issue): the suite on MLX's CUDA backend with JUnit XML, its
-# report as device_<device>.json, then the first GPU figures, all under $OUT, within ~9 minutes.
+# report as device_<device>.json, then the first GPU figures (bench/batch.py, and bench/bitwise.py
+# where time is left), all under $OUT, within ~9 minutes.
 #
 # Here, once:  bash bench/device_run.sh prepare   # wheels into .device/ (git-ignored), in two
 #                                                 # parts: MLX's CUDA build is ~75 MB even xz -9'd
@@ -77,6 +78,11 @@ EOF
         --versions "$OUT/versions.json" --out "$OUT/device_$DEVICE.json"
     # the first figures, in the time left (bench/batch.py writes results/batch.json)
     timeout 90 $py bench/batch.py > "$OUT/batch.log" 2>&1 && cp results/batch.json "$OUT/"
+    # the bit-for-bit mode's cost on this device, where time is left (results/bitwise.json)
+    if [ "$SECONDS" -lt 500 ]; then
+        timeout 60 $py bench/bitwise.py --prompts 3 --max-tokens 64 > "$OUT/bitwise.log" 2>&1 \
+            && cp results/bitwise.json results/bitwise.png "$OUT/"
+    fi
     ls -la "$OUT"
 }
 
