@@ -48,8 +48,9 @@ def run(target, draft, tok, prompt, **kwargs) -> tuple[list[int], mx.array, int]
 
 def assert_bit_for_bit(target, draft, tok, cases, **kwargs) -> None:
     """Every (drafter, k) of `cases` gives plain decoding's tokens and log-probabilities, bit
-    for bit, on each prompt; over the prompts every drafter drafted (verifies ran), and a
-    model's or a head's drafts were accepted."""
+    for bit, on each prompt; over the prompts every drafter at a fixed k drafted (verifies ran),
+    and a model's or a head's drafts were accepted (k="auto" may have learned, from earlier tests
+    on the same pair, to decode plainly)."""
     accepted = {i: -1 for i in range(len(cases))}
     for prompt in PROMPTS:
         ids, logprobs, _ = run(target, None, tok, prompt, bitwise=True, **kwargs)
@@ -60,7 +61,8 @@ def assert_bit_for_bit(target, draft, tok, cases, **kwargs) -> None:
             assert mx.array_equal(got_logprobs, logprobs).item(), (source, k)
             accepted[i] = max(accepted[i], n)
     for i, (source, k) in enumerate(cases):
-        assert accepted[i] > (-1 if source == "prompt-lookup" else 0), (source, k)
+        if k != "auto":
+            assert accepted[i] > (-1 if source == "prompt-lookup" else 0), (source, k)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,12 @@ from tinydraft_mlx.serving.worker import Worker
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
+# an editing request in the demo's ChatML: the answer copies the snippet back, so prompt lookup's
+# drafts are accepted (tests/test_demo.py's)
+EDITING = (
+    "<|im_start|>user\nRename `x` to `left` in this code:\n```python\ndef add(x, y):\n"
+    '    """Return x plus y."""\n    return x + y\n```<|im_end|>\n<|im_start|>assistant\n'
+)
 PROMPTS = ["def parse_args(", "class Config:", "import os\n", "for i in range(",
            "def main():\n", "if __name__ ==", "with open(", "    return "]
 
@@ -158,13 +164,15 @@ def test_models_health_and_page(served):
                                      (None, "none")])
 def test_completion_greedy_equals_the_library(served, models, k, draft):
     served.wait_idle()
-    text, ids = reference(models, "def parse_args(", 40)
+    # prompt lookup: a prompt whose answer copies it (it ends its turn after 40 tokens)
+    prompt, n = (EDITING, 48) if draft == "prompt-lookup" else ("def parse_args(", 40)
+    text, ids = reference(models, prompt, n)
     extra = {"draft": draft} | ({"num_draft_tokens": k} if k is not None else {})
-    r = served.client().completions.create(model="demo", prompt="def parse_args(",
-                                           max_tokens=40, temperature=0, extra_body=extra)
+    r = served.client().completions.create(model="demo", prompt=prompt,
+                                           max_tokens=n, temperature=0, extra_body=extra)
     choice = r.choices[0]
     assert choice.text == text and marks(choice)["token_ids"] == ids
-    assert choice.finish_reason == ("length" if len(ids) == 40 else "stop")
+    assert choice.finish_reason == ("length" if len(ids) == n else "stop")
     spec = r.usage.model_extra["speculative"]
     assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
