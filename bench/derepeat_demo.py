@@ -13,6 +13,10 @@ target's greedy text on code prompts fell into runs of one token ("Return a list
 
     python bench/derepeat_demo.py        # ~15 min on 2 CPU cores; writes tinydraft_mlx/demo/
                                          # and results/demo_derepeat.{json,png}
+    python bench/derepeat_demo.py --target-steps 0 ... --resume   # more draft distillation
+
+The shipped pair is the result of the passes results/demo_derepeat.json lists, in order; "old"
+there is the pair before the first pass (--old: its directory, e.g. a checkout of it).
 
 Reported, old pair -> new: held-out loss (code, chat, edits) and copy accuracy
 (retrain_demo.measure); on 24 held-out code prompts (bench/demo_quality.py's), greedy k = 4
@@ -26,7 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +41,7 @@ import torch.nn.functional as F
 from common import machine, pyplot
 from demo_quality import held_out_prompts
 from retrain_demo import DEMO, Mixture, exchanges, measure, stream
-from train_demo import ROOT, corpus_files, encode, lr_at, save
+from train_demo import ROOT, corpus_files, encode, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 WINDOW = 16  # token-level unlikelihood: the candidates are the last WINDOW inputs
@@ -114,11 +121,11 @@ def train_target(model, mix, code, steps, lr, weight, seq_weight, batch, seed) -
     return time.time() - start
 
 
-def target_text(target, code: np.ndarray, rows: int, seed: int) -> torch.Tensor:
-    """The target's greedy continuations (96 tokens) of `rows` 32-token code windows."""
+def target_text(target, code: np.ndarray, rows: int, seed: int, prompt_len: int) -> torch.Tensor:
+    """The target's greedy continuations (96 tokens) of `rows` code windows of `prompt_len`."""
     rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(code) - 33, size=rows)
-    prompts = torch.from_numpy(np.stack([code[s : s + 32] for s in starts])).long()
+    starts = rng.integers(0, len(code) - prompt_len - 1, size=rows)
+    prompts = torch.from_numpy(np.stack([code[s : s + prompt_len] for s in starts])).long()
     return torch.cat([greedy(target, chunk, 96) for chunk in prompts.split(32)])
 
 
@@ -197,6 +204,15 @@ def report_of(target, draft, tok, held, prompts, seq) -> dict:
     return out
 
 
+def save_weights(model, directory: Path) -> None:
+    """The model's weights (float16, as shipped) into `directory`'s model.safetensors; its
+    config, tokenizer and chat template files stay as they are."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.to(torch.float16).save_pretrained(tmp)
+        model.to(torch.float32)
+        shutil.copyfile(Path(tmp) / "model.safetensors", directory / "model.safetensors")
+
+
 def plot(report: dict, path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -205,8 +221,14 @@ def plot(report: dict, path) -> None:
     axes[0].axhline(0.5, color="grey", ls="--", lw=1, label="bar: 0.50")
     axes[0].set(ylim=(0, 1), title="draft greedy acceptance, k = 4, held-out code")
     axes[0].legend()
-    axes[1].bar(which, [max(report[w]["longest_runs"]) for w in which], color=["C0", "C1"])
-    axes[1].set(title="longest run of one token, greedy, 24 prompts x 64")
+    groups = [("longest_runs", "24 held-out code prompts x 64"),
+              ("readme_longest_runs", "README's prompts x 48")]
+    for i, w in enumerate(which):
+        axes[1].bar(np.arange(2) + (i - 0.5) * 0.38, [max(report[w][key]) for key, _ in groups],
+                    0.38, label=f"{w} pair")
+    axes[1].set_xticks(np.arange(2), [label for _, label in groups])
+    axes[1].set(title="longest run of one token, greedy")
+    axes[1].legend()
     sets = list(report["old"]["held_out_loss_nats"])
     xs = np.arange(len(sets))
     for i, w in enumerate(which):
@@ -233,6 +255,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--mix", type=float, nargs=3, default=(0.5, 0.2, 0.3))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-len", type=int, default=32,
+                    help="code tokens before each of the target's continuations for the draft")
+    ap.add_argument("--old", type=Path, default=DEMO, help="the pair reported as old")
+    ap.add_argument("--resume", action="store_true",
+                    help="this run continues the one in results/demo_derepeat.json (its "
+                         "commands and times are kept in the report)")
     ap.add_argument("--dry", action="store_true", help="measure the current pair only")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -246,34 +274,38 @@ def main() -> None:
     held = {"code": (held_code, None), "chat": stream(held_chat, tok),
             "edits": stream(held_edits, tok)}
     prompts = held_out_prompts(24, 0)
+    old = report_of(*(Qwen2ForCausalLM.from_pretrained(args.old / name, dtype=torch.float32)
+                      .eval() for name in ("target", "draft")), tok, held, prompts, args.seq)
     target = Qwen2ForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
     draft = Qwen2ForCausalLM.from_pretrained(DEMO / "draft", dtype=torch.float32).eval()
-    old = report_of(target, draft, tok, held, prompts, args.seq)
     print("old", json.dumps(old), flush=True)
     if args.dry:
         return
     chat_s, edits_s = stream(chat, tok), stream(edits, tok)
     mix = Mixture(code, chat_s, edits_s, args.mix, args.seq, args.seed)
-    target_s = train_target(target, mix, code, args.target_steps, 5e-4, args.unlikelihood,
-                            args.sequence_unlikelihood, args.batch, args.seed)
-    generated = target_text(target, code, args.generated, args.seed + 2)
+    target_s = 0.0 if not args.target_steps else train_target(
+        target, mix, code, args.target_steps, 5e-4, args.unlikelihood,
+        args.sequence_unlikelihood, args.batch, args.seed)
+    generated = target_text(target, code, args.generated, args.seed + 2, args.prompt_len)
     mix = Mixture(code, chat_s, edits_s, args.mix, args.seq, args.seed + 1)
     draft_s = train_draft(draft, target, mix, generated, args.draft_steps, 2e-3,
                           args.draft_alpha, args.batch, args.seed + 1)
     new = report_of(target, draft, tok, held, prompts, args.seq)
     print("new", json.dumps(new), flush=True)
     for name, model in (("target", target), ("draft", draft)):
-        save(model, tok, DEMO / name)
-        config_file = DEMO / name / "config.json"  # mlx-lm's qwen2 reads the top-level key
-        config = json.loads(config_file.read_text())
-        config["rope_theta"] = config["rope_parameters"]["rope_theta"]
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    settings = {k: v for k, v in vars(args).items() if k != "dry"}
-    report = {"command": "python bench/derepeat_demo.py", "settings": settings,
-              "seconds": {"total": round(time.time() - t0), "target": round(target_s),
-                          "draft": round(draft_s)},
-              "old": old, "new": new, "machine": {**machine(), "torch": torch.__version__}}
+        save_weights(model, DEMO / name)
+    settings = {k: v for k, v in vars(args).items() if k not in ("dry", "resume", "old")}
+    command = "python bench/derepeat_demo.py " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+        for k, v in settings.items()) + (" --resume" if args.resume else "")
     out = ROOT / "results" / "demo_derepeat.json"
+    before = json.loads(out.read_text()) if args.resume else {"passes": []}
+    passes = before["passes"] + [{"command": command, "settings": settings,
+                                  "seconds": {"total": round(time.time() - t0),
+                                              "target": round(target_s),
+                                              "draft": round(draft_s)}}]
+    report = {"passes": passes, "old": old, "new": new,
+              "machine": {**machine(), "torch": torch.__version__}}
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
 

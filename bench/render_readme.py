@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import render_demo
 import render_heads
 import render_numerics
 
@@ -692,6 +693,7 @@ def main() -> None:
     for name, render in [
         ("demo_training", demo_training),
         ("demo_retrain", demo_retrain),
+        ("demo_derepeat", render_demo.derepeat),
         ("demo_quality", demo_quality),
         ("demo_pair", head_to_head("Demo pair, ours vs mlx-lm")),
         ("demo_pair", best_k),
