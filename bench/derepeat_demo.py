@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from common import machine, pyplot
 from demo_quality import held_out_prompts
-from retrain_demo import DEMO, Mixture, exchanges, measure, stream
-from train_demo import ROOT, corpus_files, encode, lr_at
+from retrain_demo import DEMO, Mixture, corpora, measure, stream
+from train_demo import ROOT, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 WINDOW = 16  # token-level unlikelihood: the candidates are the last WINDOW inputs
@@ -96,14 +96,21 @@ def sequence_unlikelihood(model, data: np.ndarray, rng, batch: int, prompt_len: 
     return -(torch.log1p(-p) * mask).sum() / mask.sum().clamp(min=1)
 
 
-def train_target(model, mix, code, steps, lr, weight, seq_weight, batch, seed) -> float:
+def _steps(model, steps: int, lr: float):
+    """(step, optimizer) for `steps` AdamW steps on `model` (train mode), the learning rate set
+    per step on train_demo's warm-up + cosine schedule."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = np.random.default_rng(seed)
     model.train()
-    start = time.time()
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, min(50, steps // 5))
+        yield step, opt
+
+
+def train_target(model, mix, code, steps, lr, weight, seq_weight, batch, seed) -> float:
+    rng = np.random.default_rng(seed)
+    start = time.time()
+    for step, opt in _steps(model, steps, lr):
         x, y = mix.batch(batch)
         logits = model(x).logits
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -132,13 +139,9 @@ def target_text(target, code: np.ndarray, rows: int, seed: int, prompt_len: int)
 def train_draft(draft, target, mix, generated, steps, lr, alpha, batch, seed) -> float:
     """Cross-entropy on the data (weight alpha) + KL(target || draft) per token (1 - alpha),
     half of each batch from the mixture, half from the target's own text."""
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = np.random.default_rng(seed)
-    draft.train()
     start = time.time()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, min(50, steps // 5))
+    for step, opt in _steps(draft, steps, lr):
         x, y = mix.batch(batch // 2)
         g = generated[rng.integers(0, len(generated), size=batch // 2)]
         for xs, ys in ((x, y), (g[:, :-1], g[:, 1:])):
@@ -267,12 +270,7 @@ def main() -> None:
     torch.set_num_threads(2)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(DEMO / "target")
-    train_files, held_files = corpus_files()
-    code, held_code = encode(tok, train_files), encode(tok, held_files)
-    chat, edits = exchanges(train_files, tok, args.seed)
-    held_chat, held_edits = exchanges(held_files, tok, args.seed + 1)
-    held = {"code": (held_code, None), "chat": stream(held_chat, tok),
-            "edits": stream(held_edits, tok)}
+    code, chat, edits, held = corpora(tok, args.seed)
     prompts = held_out_prompts(24, 0)
     old = report_of(*(Qwen2ForCausalLM.from_pretrained(args.old / name, dtype=torch.float32)
                       .eval() for name in ("target", "draft")), tok, held, prompts, args.seq)

@@ -127,6 +127,18 @@ def stream(texts: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
     return np.array(ids, dtype=np.int32), np.array(starts)
 
 
+def corpora(tok, seed: int) -> tuple[np.ndarray, list[str], list[str], dict]:
+    """The training code stream, chat and editing texts, and the held-out sets (code, chat,
+    edits: (ids, exchange starts or None)) of the demo's files."""
+    train_files, held_files = corpus_files()
+    code, held_code = encode(tok, train_files), encode(tok, held_files)
+    chat, edits = exchanges(train_files, tok, seed)
+    held_chat, held_edits = exchanges(held_files, tok, seed + 1)
+    held = {"code": (held_code, None), "chat": stream(held_chat, tok),
+            "edits": stream(held_edits, tok)}
+    return code, chat, edits, held
+
+
 class Mixture:
     """Batches of windows: code windows anywhere in the code stream; chat and editing windows
     from the start of an exchange (so each holds whole exchanges)."""
@@ -245,13 +257,9 @@ def main() -> None:
     torch.set_num_threads(2)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(DEMO / "target")
-    train_files, held_files = corpus_files()
-    code, held_code = encode(tok, train_files), encode(tok, held_files)
-    chat, edits = exchanges(train_files, tok, args.seed)
-    held_chat, held_edits = exchanges(held_files, tok, args.seed + 1)
+    code, chat, edits, held = corpora(tok, args.seed)
+    held_chat, held_edits = held["chat"][1], held["edits"][1]  # one start per exchange
     sets = {"code": (code, None), "chat": stream(chat, tok), "edits": stream(edits, tok)}
-    held = {"code": (held_code, None), "chat": stream(held_chat, tok),
-            "edits": stream(held_edits, tok)}
     print(f"code {len(code)} tokens, {len(chat)} chat and {len(edits)} editing exchanges "
           f"({len(held_chat)} / {len(held_edits)} held out), {time.time() - t0:.0f} s",
           flush=True)
