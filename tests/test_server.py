@@ -652,7 +652,7 @@ def test_server_flags_are_checked_before_loading(capsys):
                            "integer in [1, 5] with max_kv_size 10 (got 6)"),
                           (["--temp", "-1"], "--temp must be"),
                           (["--bitwise", "-k", "9"], '--num-draft-tokens must be an integer in '
-                           '[1, 8] or "auto" with --bitwise (got 9)'),
+                           '[1, 8] or "auto" with bitwise (got 9)'),
                           (["--bitwise", "--max-kv-size", "64"],  # after loading the models
                            "--bitwise must be False with max_kv_size 64")]:
         with pytest.raises(SystemExit) as exit_:

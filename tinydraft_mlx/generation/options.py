@@ -82,14 +82,18 @@ class Options:
 FIELDS = tuple(f.name for f in fields(Options))
 
 
-def check_k(k: object, max_kv_size: int | None = None) -> None:
+def check_k(k: object, max_kv_size: int | None = None, bitwise: bool = False) -> None:
     """ParameterError unless k is an int in [1, MAX_DRAFT_TOKENS] or "auto" (which drafts up to
     AUTO_MAX_K); with caches bounded to `max_kv_size` positions, a round's k + 1 positions must
-    fit beside the sink positions too."""
-    top = MAX_DRAFT_TOKENS if max_kv_size is None else min(MAX_DRAFT_TOKENS,
-                                                           max_kv_size - KEEP - 1)
+    fit beside the sink positions too; in the bit-for-bit mode (`bitwise`) k is at most
+    BITWISE_MAX_K."""
+    top, limits = MAX_DRAFT_TOKENS, []
+    if max_kv_size is not None and max_kv_size - KEEP - 1 < top:
+        top, limits = max_kv_size - KEEP - 1, [f"max_kv_size {max_kv_size}"]
+    if bitwise and BITWISE_MAX_K < top:
+        top, limits = BITWISE_MAX_K, limits + ["bitwise"]
     allowed = f"an integer in [1, {top}]" + (' or "auto"' if top >= AUTO_MAX_K else "") + (
-        f" with max_kv_size {max_kv_size}" if top < MAX_DRAFT_TOKENS else "")
+        f" with {' and '.join(limits)}" if limits else "")
     if k == AUTO and top >= AUTO_MAX_K:
         return
     try:
@@ -108,7 +112,7 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
     defaults = Options()
     values = {name: getattr(defaults, name) if given.get(name) is None else given[name]
               for name in FIELDS}
-    check_k(values["k"])
+    check_k(values["k"], bitwise=values["bitwise"] is True)
     check_int("max_tokens", values["max_tokens"], 1)
     SamplingParams(values["temperature"], values["top_p"], values["top_k"], values["min_p"],
                    values["seed"])
@@ -136,9 +140,6 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
         check_int("logprobs", values["logprobs"], 0, MAX_TOP_LOGPROBS)
     if not isinstance(values["bitwise"], bool):
         raise ParameterError("bitwise", "True or False", values["bitwise"])
-    if values["bitwise"] and values["k"] != AUTO and values["k"] > BITWISE_MAX_K:
-        raise ParameterError("k", f'an integer in [1, {BITWISE_MAX_K}] or "auto" with bitwise',
-                             values["k"])
     return Options(**values)
 
 

@@ -28,7 +28,6 @@ from typing import NoReturn
 
 from fastapi import FastAPI
 
-from ..engine.bitwise import MAX_K as BITWISE_MAX_K
 from ..engine.bitwise import refusal as bitwise_refusal
 from ..engine.cache import KEEP
 from ..engine.drafters import HYBRID, resolve_drafter
@@ -119,7 +118,7 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     k = args.k if args.k == "auto" else (int(args.k) if args.k.lstrip("-").isdigit() else args.k)
     args.k = k
     try:
-        check_k(k)
+        check_k(k, bitwise=args.bitwise)
         check_int("--port", args.port, 0, 65535)
         check_int("--max-queue", args.max_queue, 1)
         check_int("--max-batch", args.max_batch, 1, MAX_BATCH)
@@ -133,9 +132,6 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             if (args.draft or "").lower() != NO_DRAFT:
                 check_k(k, args.max_kv_size)
         SamplingParams(args.temp, 1.0, 0, 0.0, None)
-        if args.bitwise and k != "auto" and k > BITWISE_MAX_K:
-            raise ParameterError("k", f'an integer in [1, {BITWISE_MAX_K}] or "auto" with '
-                                 "--bitwise", k)
     except ParameterError as err:
         _fail(parser, flag_message(err))
 
