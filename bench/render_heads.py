@@ -7,13 +7,17 @@ from __future__ import annotations
 
 def train_heads(r: dict) -> list[str]:
     lines = [
-        "**The demo target's heads** (`python bench/train_heads.py`; trained on the target's own "
-        "distributions over the demo's training text, teacher-forced: the MTP layer one step "
-        "ahead, the EAGLE-3 head over 3 chained steps; "
+        "**The demo target's heads** (`python bench/train_heads.py`, the passes its json lists; "
+        "trained on the target's own distributions, teacher-forced, over the demo's training "
+        "text and the target's own greedy continuations of it: the MTP layer one step ahead, "
+        "the EAGLE-3 head over 3 chained steps; "
         "[json](results/train_heads.json), [plot](results/train_heads.png)): top-1 agreement "
-        "with the target on held-out stdlib code, teacher-forced",
+        "with the target, teacher-forced, on held-out stdlib code (from initialisation) and "
+        "along the target's greedy text after 24 held-out code prompts (before the last pass, "
+        "after it)",
         "",
-        "| head | parameters (own) | steps x batch x tokens | train time | before | after |",
+        "| head | parameters (own) | passes: steps x batch x tokens | train time | stdlib code "
+        "| target's greedy text |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, label in (("mtp", "MTP layer (demo/target/mtp.safetensors)"),
@@ -21,10 +25,18 @@ def train_heads(r: dict) -> list[str]:
         if name not in r:
             continue
         h, s = r[name], r[name]["settings"]
-        lines.append(f"| {label} | {h['parameters'] / 1e6:.2f}M | {s['steps']} x {s['batch']} x "
-                     f"{s['seq']} | {h['train_seconds'] / 60:.1f} min | "
-                     f"{h['held_out_before']['top1_agreement']:.2f} | "
-                     f"{h['held_out_after']['top1_agreement']:.2f} |")
+        passes = h.get("passes") or [{"steps": s["steps"], "train_seconds": h["train_seconds"],
+                                      "held_out_before": h["held_out_before"]}]
+        steps = " + ".join(str(p["steps"]) for p in passes)
+        seconds = sum(p["train_seconds"] for p in passes)
+        last = passes[-1]["held_out_before"].get("greedy_agreement")
+        greedy = h["held_out_after"].get("greedy_agreement")
+        text = "-" if greedy is None else (f"{last:.2f} -> " if last is not None else "") + \
+            f"{greedy:.2f}"
+        lines.append(f"| {label} | {h['parameters'] / 1e6:.2f}M | ({steps}) x {s['batch']} x "
+                     f"{s['seq']} | {seconds / 60:.1f} min | "
+                     f"{h['held_out_before']['top1_agreement']:.2f} -> "
+                     f"{h['held_out_after']['top1_agreement']:.2f} | {text} |")
     return lines
 
 
@@ -59,12 +71,16 @@ def drafters(r: dict) -> list[str]:
                 row.append(f"{best['vs_plain']:.2f}x (k = {best['k']}, {best['acceptance']:.2f}, "
                            f"{best['mean_accepted']:.2f})")
         lines.append(f"| {contender} | " + " | ".join(row) + " |")
-    lines += ["", "Acceptance per draft position at k = 4, greedy, B = 1:", "",
-              "| drafter | 1 | 2 | 3 | 4 |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "Acceptance per draft position at k = 4, greedy (the same greedy text either "
+              "way: B = 1 over the first 3 prompts, B = 8 over all 8):", "",
+              "| drafter | B = 1: 1 | 2 | 3 | 4 | B = 8: 1 | 2 | 3 | 4 |",
+              "| --- |" + " --- |" * 8]
     for contender in s["contenders"][1:]:
-        row = next(x for x in r["summary"] if x["contender"] == contender and x["k"] == 4
-                   and (x["temperature"], x["batch"]) == (0.0, 1))
-        per = [f"{p:.2f}" if p is not None else "-" for p in row["per_position"][:4]]
+        per = []
+        for batch in (1, 8):
+            row = next(x for x in r["summary"] if x["contender"] == contender and x["k"] == 4
+                       and (x["temperature"], x["batch"]) == (0.0, batch))
+            per += [f"{p:.2f}" if p is not None else "-" for p in row["per_position"][:4]]
         lines.append(f"| {contender} | " + " | ".join(per) + " |")
     c = r["head_costs"]
     lines += ["", f"What a head's step costs beside the target's (random Qwen3.5-shaped target, "

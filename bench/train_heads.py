@@ -3,16 +3,22 @@ them: the MTP layer beside the target's weights (tinydraft_mlx/demo/target/mtp.s
 under Qwen3-Next / Qwen3.5's `mtp.*` names), so that `load_models(draft="mtp")` works offline on
 the demo target; the EAGLE-3 head in the speculators format (tinydraft_mlx/demo/eagle3/).
 
-    python bench/train_heads.py               # both, ~15 min on 2 CPU cores
-    python bench/train_heads.py --head mtp    # one of them
+    python bench/train_heads.py                          # both, ~20 min on 2 CPU cores
+    python bench/train_heads.py --head mtp               # one of them
+    python bench/train_heads.py --head mtp --resume      # more training of the shipped one
 
 The layer is what Qwen3-Next's MTP is: fc([norm(embed(x_{t+1})), norm(h_t)]) -> one Qwen2
 decoder layer (the target's kind) -> norm -> the target's tied head, predicting x_{t+2}. It is
-trained by distillation: on windows of the demo's training text (the standard library's code,
-bench/train_demo.py's split), the target's final states h_t (frozen) go in, and the loss is
+trained by distillation: the target's final states h_t (frozen) go in, and the loss is
 KL(p_target(. | x_<=t+1) || q_head), the target's own next-token distribution at the position
-the head predicts (what acceptance rewards), at T = 1. Reported (results/train_heads.json):
-the held-out KL and greedy top-1 agreement with the target, teacher-forced, before and after.
+the head predicts (what acceptance rewards), at T = 1. The text: windows of the demo's training
+text (the standard library's code, bench/train_demo.py's split) and, --own-share of every batch,
+the target's own greedy continuations of training windows (--generated; the text greedy
+speculative decoding verifies, the recipe that lifted the draft model's acceptance,
+bench/derepeat_demo.py).
+Reported (results/train_heads.json, one entry per pass): the held-out KL and top-1 agreement
+with the target, teacher-forced, on held-out stdlib windows and along the target's greedy text
+after bench/demo_quality.py's held-out prompts, before and after.
 The EAGLE-3 head (speculators' layout: fc over the states entering target layers 1, 3 and 5,
 one Llama layer reading [norm(embed), norm(state)], norm, lm_head over the 2,048 tokens the demo
 pair's token counts rank first, d2t / t2d) is tests/eagle_reference.py's torch module, the one
@@ -34,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from common import machine, save
+from derepeat_demo import greedy, target_text
 from train_demo import ROOT, corpus_files, encode, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -42,6 +49,7 @@ EAGLE_DIR = ROOT / "tinydraft_mlx" / "demo" / "eagle3"
 EAGLE_LAYERS = [1, 3, 5]  # the target layers whose input the EAGLE-3 head reads (of 6)
 EAGLE_VOCAB = 2048
 UNROLL = 3  # EAGLE-3's chained steps trained together ("training-time test")
+GREEDY_NEW = 64  # greedy tokens after each held-out prompt (greedy_agreement)
 
 
 class MtpLayer(torch.nn.Module):
@@ -72,14 +80,18 @@ class MtpLayer(torch.nn.Module):
         out = self.one(inputs_embeds=x).last_hidden_state
         return target.lm_head(out)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The layer under the hub's `mtp.*` names, float16 (the target's dtype)."""
+    def weights(self) -> dict[str, torch.nn.Parameter]:
+        """Its parameters (live) under the hub's `mtp.*` names."""
         out = {"mtp.fc.weight": self.fc.weight, "mtp.pre_fc_norm_embedding.weight":
                self.norm_e.weight, "mtp.pre_fc_norm_hidden.weight": self.norm_h.weight,
                "mtp.norm.weight": self.one.norm.weight}
-        for name, value in self.one.layers[0].state_dict().items():
+        for name, value in self.one.layers[0].named_parameters():
             out[f"mtp.layers.0.{name}"] = value
-        return {k: v.detach().to(torch.float16).contiguous() for k, v in out.items()}
+        return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layer under the hub's `mtp.*` names, float16 (the target's dtype)."""
+        return {k: v.detach().to(torch.float16).contiguous() for k, v in self.weights().items()}
 
 
 @torch.no_grad()
@@ -89,17 +101,17 @@ def teacher(target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return states, F.log_softmax(target.lm_head(states), dim=-1)
 
 
-def loss_of(head, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+def loss_of(head, target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(target || head) where the head at t reads h_t and x_{t+1} and the target's
-    distribution at t + 1 is the label; and the top-1 agreement."""
+    distribution at t + 1 is the label; and the top-1 agreement, (B, L - 1) booleans (at t:
+    the head's and the target's argmax for x_{t+2} equal)."""
     states, logp = teacher(target, x)
     logits = head(x[:, 1:], states[:, :-1])
     labels = logp[:, 1:]
     logq = F.log_softmax(logits, dim=-1)
     kl = F.kl_div(logq.flatten(0, 1), labels.flatten(0, 1), log_target=True,
                   reduction="batchmean")
-    agree = (logits.argmax(-1) == labels.argmax(-1)).float().mean().item()
-    return kl, agree
+    return kl, logits.argmax(-1) == labels.argmax(-1)
 
 
 class Eagle3:
@@ -134,9 +146,10 @@ class Eagle3:
     def parameters(self):
         return self.module.parameters()
 
-    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KL summed over UNROLL chained steps (weights 1, 0.7, 0.49), each step read as a chain
-        runs it (tests/eagle_reference.py `steps`); the first step's top-1 agreement."""
+        runs it (tests/eagle_reference.py `steps`); the first step's top-1 agreement, as
+        loss_of's."""
         with torch.no_grad():
             out = target(x, output_hidden_states=True)
             states = torch.cat([out.hidden_states[i] for i in EAGLE_LAYERS], dim=-1)
@@ -149,8 +162,12 @@ class Eagle3:
                                                 log_target=True, reduction="batchmean")
             if s == 0:
                 full = out.logits[:, 1:].argmax(-1)  # agreement with the target's own top-1
-                agree = (logits.argmax(-1) == full).float().mean().item()
+                agree = logits.argmax(-1) == full
         return total, agree
+
+    def load(self) -> None:
+        """Start from the shipped head (EAGLE_DIR)."""
+        load_into(self.module.weights(), EAGLE_DIR / "model.safetensors")
 
     def save(self) -> dict[str, torch.Tensor]:
         import json
@@ -174,8 +191,12 @@ class Mtp:
     def parameters(self):
         return self.module.parameters()
 
-    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_of(self.module, target, x)
+
+    def load(self) -> None:
+        """Start from the shipped layer (the target's mtp.safetensors)."""
+        load_into(self.module.weights(), TARGET / "mtp.safetensors")
 
     def save(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import save_file
@@ -185,47 +206,110 @@ class Mtp:
         return tensors
 
 
+def load_into(weights: dict[str, torch.nn.Parameter], path) -> None:
+    """Copy a saved head's tensors into its live parameters (every one must be there)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    missing = sorted(set(weights) - set(saved))
+    if missing:
+        raise SystemExit(f"{path} lacks {missing[:3]}: train from scratch (without --resume)")
+    with torch.no_grad():
+        for name, param in weights.items():
+            param.copy_(saved[name].float())
+
+
 @torch.no_grad()
 def held_out(head, target, data: np.ndarray, seq: int, windows: int = 48) -> dict:
+    """KL and top-1 agreement over held-out stdlib windows (teacher-forced)."""
     starts = np.linspace(0, len(data) - seq - 2, windows).astype(int)
     x = torch.from_numpy(np.stack([data[s : s + seq] for s in starts])).long()
     kls, agrees = [], []
     for chunk in x.split(16):
         kl, agree = head.loss(target, chunk)
         kls.append(kl.item())
-        agrees.append(agree)
+        agrees.append(agree.float().mean().item())
     return {"kl": float(np.mean(kls)), "top1_agreement": float(np.mean(agrees))}
 
 
-def train_head(head, target, data, held, args) -> dict:
-    """Train one head; its figures."""
+@torch.no_grad()
+def greedy_rows(target, tok, n: int = GREEDY_NEW) -> list[tuple[torch.Tensor, int]]:
+    """bench/demo_quality.py's 24 held-out code prompts, each with the target's n greedy tokens:
+    (ids (1, P + n), P)."""
+    from demo_quality import held_out_prompts
+
+    rows = []
+    for prompt in held_out_prompts(24, 0):
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        rows.append((greedy(target, ids, n), ids.shape[1]))
+    return rows
+
+
+@torch.no_grad()
+def greedy_agreement(head, target, rows) -> float:
+    """Top-1 agreement along the target's own greedy text: at every generated position, the
+    head reading the target's state before it and the token after predicts the token after
+    that as the target does (a first draft position's greedy acceptance)."""
+    hits = total = 0
+    for ids, prompt_len in rows:
+        _, agree = head.loss(target, ids)
+        tail = agree[0, prompt_len - 1 :]  # from the first head proposal after the prefill
+        hits += int(tail.sum())
+        total += tail.numel()
+    return hits / total
+
+
+def windows_of(generated: torch.Tensor, seq: int, rng, count: int) -> torch.Tensor:
+    """`count` rows of the target's greedy text, each its last `seq` tokens."""
+    return generated[rng.integers(0, len(generated), size=count), -seq:]
+
+
+def train_head(head, target, data, held, generated, rows, args) -> dict:
+    """Train one head (a batch: stdlib windows, and --own-share of it the target's greedy text
+    where `generated` has rows); its figures."""
     before = held_out(head, target, held, args.seq)
+    before["greedy_agreement"] = greedy_agreement(head, target, rows)
     print("held-out before", before, flush=True)
     params = [q for q in head.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     start = time.time()
+    own = round(args.batch * args.own_share) if len(generated) else 0
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup=50)
-        starts = rng.integers(0, len(data) - args.seq - 1, size=args.batch)
+        starts = rng.integers(0, len(data) - args.seq - 1, size=args.batch - own)
         x = torch.from_numpy(np.stack([data[s : s + args.seq] for s in starts])).long()
+        if own:
+            x = torch.cat([x, windows_of(generated, args.seq, rng, own)])
         loss, agree = head.loss(target, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step}/{args.steps} kl {loss.item():.3f} top-1 {agree:.3f} "
-                  f"({time.time() - start:.0f} s)", flush=True)
+            print(f"step {step}/{args.steps} kl {loss.item():.3f} top-1 "
+                  f"{agree.float().mean().item():.3f} ({time.time() - start:.0f} s)", flush=True)
     seconds = time.time() - start
     after = held_out(head, target, held, args.seq)
+    after["greedy_agreement"] = greedy_agreement(head, target, rows)
     print("held-out after", after, flush=True)
     tensors = head.save()
     return {"parameters": int(sum(v.numel() for k, v in tensors.items()
                                   if v.is_floating_point())),
             "train_seconds": round(seconds, 1), "held_out_before": before,
             "held_out_after": after, "tokens_seen": args.steps * args.batch * args.seq}
+
+
+def first_pass(entry: dict) -> dict:
+    """A report entry written before passes were listed, as its one pass."""
+    settings = {k: v for k, v in entry["settings"].items() if k != "head"}
+    settings.setdefault("generated", 0)  # written before the greedy text was an option
+    return {"command": "python bench/train_heads.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+        + f" --head {entry['settings']['head']}", "steps": settings["steps"],
+        "train_seconds": entry["train_seconds"], "held_out_before": entry["held_out_before"],
+        "held_out_after": entry["held_out_after"]}
 
 
 def main() -> None:
@@ -235,8 +319,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--generated", type=int, default=1024,
+                   help="the target's greedy continuations (96 tokens) of as many training "
+                        "windows (0: stdlib windows only)")
+    p.add_argument("--own-share", type=float, default=0.5,
+                   help="the share of every batch from the target's greedy text")
+    p.add_argument("--prompt-len", type=int, default=128,
+                   help="code tokens before each greedy continuation")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the shipped head instead of its initialisation")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(TARGET)
     target = Qwen2ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
@@ -244,15 +338,42 @@ def main() -> None:
         param.requires_grad_(False)
     train_files, held_files = corpus_files()
     data, held = encode(tok, train_files), encode(tok, held_files)
+    t0 = time.time()
+    generated = (target_text(target, data, args.generated, args.seed + 2, args.prompt_len)
+                 if args.generated else torch.zeros(0, args.seq, dtype=torch.long))
+    rows = greedy_rows(target, tok)
+    print(f"greedy text: {len(generated)} training rows, {len(rows)} held-out rows "
+          f"({time.time() - t0:.0f} s)", flush=True)
     out = ROOT / "results" / "train_heads.json"
     report = json.loads(out.read_text()) if out.is_file() else {}
     report.update({"machine": machine(), "torch": torch.__version__,
-                   "objective": "KL(target || head) at T = 1, one step ahead, teacher-forced "
-                                "on stdlib code (bench/train_demo.py's split)"})
+                   "objective": "KL(target || head) at T = 1, one step ahead (EAGLE-3: over "
+                                f"{UNROLL} chained steps), teacher-forced; a batch is stdlib "
+                                "code windows (bench/train_demo.py's split) and, with "
+                                "--generated, as many rows of the target's greedy "
+                                "continuations of training windows",
+                   "greedy_agreement": "top-1 agreement at the generated positions of the "
+                                       f"target's {GREEDY_NEW} greedy tokens after each of "
+                                       "bench/demo_quality.py's 24 held-out code prompts"})
     heads = {"mtp": Mtp, "eagle3": Eagle3}
     for name in (["mtp", "eagle3"] if args.head == "both" else [args.head]):
-        report[name] = {"settings": vars(args), **train_head(heads[name](target), target, data,
-                                                               held, args)}
+        head = heads[name](target)
+        if args.resume:
+            head.load()
+        command = "python bench/train_heads.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k not in ("head", "resume")) + f" --head {name}" + (
+            " --resume" if args.resume else "")
+        passes = list(report[name].get("passes") or [first_pass(report[name])]
+                      if args.resume and name in report else [])
+        result = train_head(head, target, data, held, generated, rows, args)
+        passes.append({"command": command, "steps": args.steps,
+                       "train_seconds": result["train_seconds"],
+                       "held_out_before": result["held_out_before"],
+                       "held_out_after": result["held_out_after"]})
+        if args.resume and name in report:  # "before" stays the first pass's
+            result["held_out_before"] = report[name]["held_out_before"]
+        report[name] = {"settings": vars(args), **result, "passes": passes}
     save(report, "train_heads", plot)
 
 
@@ -260,19 +381,31 @@ def plot(report: dict, path) -> None:
     from common import pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    names, values = [], []
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    names, values, colors = [], [], []
     for head in ("mtp", "eagle3"):
-        if head in report:
-            for when in ("before", "after"):
-                names.append(f"{head}\n{when}")
-                values.append(report[head][f"held_out_{when}"]["top1_agreement"])
-    ax.bar(names, values, color=["#bbbbbb", "#4c72b0"] * (len(names) // 2))
+        if head not in report:
+            continue
+        entry = report[head]
+        last = (entry.get("passes") or [entry])[-1]["held_out_before"]
+        bars = [("stdlib\ninit", entry["held_out_before"].get("top1_agreement"), "#bbbbbb"),
+                ("stdlib\nafter", entry["held_out_after"].get("top1_agreement"), "#4c72b0"),
+                ("greedy\nbefore", last.get("greedy_agreement"), "#dddddd"),
+                ("greedy\nafter", entry["held_out_after"].get("greedy_agreement"), "#dd8452")]
+        for label, value, color in bars:
+            if value is not None:
+                names.append(f"{head}\n{label}")
+                values.append(value)
+                colors.append(color)
+    ax.bar(range(len(names)), values, color=colors)
+    ax.set_xticks(range(len(names)), names, fontsize=7)
     for i, v in enumerate(values):
-        ax.text(i, v + 0.01, f"{v:.2f}", ha="center")
+        ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
     ax.set_ylim(0, 1)
     ax.set_ylabel("top-1 agreement with the target")
-    ax.set_title("Demo target's heads, held-out stdlib code (teacher-forced, one step ahead)")
+    ax.set_title("Demo target's heads, held-out (teacher-forced, one step ahead):\n"
+                 "stdlib code, and the target's own greedy text (before / after the last pass)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -93,8 +93,8 @@ class Eagle3Reference(torch.nn.Module):
             out.append(((full, h), (k, v)))
         return out
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Its tensors under the speculators format's names."""
+    def weights(self) -> dict[str, torch.nn.Parameter]:
+        """Its parameters (live) under the speculators format's names."""
         layer = "layers.0."
         out = {"fc.weight": self.fc.weight, "norm.weight": self.w_norm,
                "lm_head.weight": self.lm_head.weight,
@@ -107,7 +107,11 @@ class Eagle3Reference(torch.nn.Module):
         for name, lin in (("gate_proj", self.gate), ("up_proj", self.up),
                           ("down_proj", self.down)):
             out[f"{layer}mlp.{name}.weight"] = lin.weight
-        out = {k: v.detach().float().contiguous() for k, v in out.items()}
+        return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Its tensors under the speculators format's names, with the vocabulary maps."""
+        out = {k: v.detach().float().contiguous() for k, v in self.weights().items()}
         out["d2t"] = (self.kept - torch.arange(len(self.kept))).long()
         t2d = torch.zeros(self.width, dtype=torch.bool)
         t2d[self.kept] = True
