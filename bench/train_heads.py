@@ -3,9 +3,10 @@ them: the MTP layer beside the target's weights (tinydraft_mlx/demo/target/mtp.s
 under Qwen3-Next / Qwen3.5's `mtp.*` names), so that `load_models(draft="mtp")` works offline on
 the demo target; the EAGLE-3 head in the speculators format (tinydraft_mlx/demo/eagle3/).
 
-    python bench/train_heads.py                          # both, ~20 min on 2 CPU cores
+    python bench/train_heads.py                          # both, ~25 min on 2 CPU cores
     python bench/train_heads.py --head mtp               # one of them
     python bench/train_heads.py --head mtp --resume      # more training of the shipped one
+    python bench/train_heads.py --head none --generated 0   # the draft model's figures only
 
 The layer is what Qwen3-Next's MTP is: fc([norm(embed(x_{t+1})), norm(h_t)]) -> one Qwen2
 decoder layer (the target's kind) -> norm -> the target's tied head, predicting x_{t+2}. It is
@@ -16,9 +17,11 @@ text (the standard library's code, bench/train_demo.py's split) and, --own-share
 the target's own greedy continuations of training windows (--generated; the text greedy
 speculative decoding verifies, the recipe that lifted the draft model's acceptance,
 bench/derepeat_demo.py).
-Reported (results/train_heads.json, one entry per pass): the held-out KL and top-1 agreement
-with the target, teacher-forced, on held-out stdlib windows and along the target's greedy text
-after bench/demo_quality.py's held-out prompts, before and after.
+Reported (results/train_heads.json, each head's passes listed): the held-out KL and top-1
+agreement with the target, teacher-forced, on held-out stdlib windows and along the target's
+greedy text after bench/demo_quality.py's held-out prompts, before and after; the demo's draft
+model measured the same way (at t, its argmax for the token a head at t predicts), the
+reference.
 The EAGLE-3 head (speculators' layout: fc over the states entering target layers 1, 3 and 5,
 one Llama layer reading [norm(embed), norm(state)], norm, lm_head over the 2,048 tokens the demo
 pair's token counts rank first, d2t / t2d) is tests/eagle_reference.py's torch module, the one
@@ -45,6 +48,7 @@ from train_demo import ROOT, corpus_files, encode, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 TARGET = ROOT / "tinydraft_mlx" / "demo" / "target"
+DRAFT = ROOT / "tinydraft_mlx" / "demo" / "draft"
 EAGLE_DIR = ROOT / "tinydraft_mlx" / "demo" / "eagle3"
 EAGLE_LAYERS = [1, 3, 5]  # the target layers whose input the EAGLE-3 head reads (of 6)
 EAGLE_VOCAB = 2048
@@ -259,6 +263,22 @@ def greedy_agreement(head, target, rows) -> float:
     return hits / total
 
 
+class DraftModel:
+    """The demo's draft model, measured as a head would be (not trained here): at t its argmax
+    after x_<=t+1 against the target's, for the token a head at t predicts."""
+
+    def __init__(self) -> None:
+        self.model = Qwen2ForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def loss(self, target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ours, theirs = self.model(x).logits[:, 1:], target(x).logits[:, 1:]
+        kl = F.kl_div(F.log_softmax(ours, -1).flatten(0, 1),
+                      F.log_softmax(theirs, -1).flatten(0, 1), log_target=True,
+                      reduction="batchmean")
+        return kl, ours.argmax(-1) == theirs.argmax(-1)
+
+
 def windows_of(generated: torch.Tensor, seq: int, rng, count: int) -> torch.Tensor:
     """`count` rows of the target's greedy text, each its last `seq` tokens."""
     return generated[rng.integers(0, len(generated), size=count), -seq:]
@@ -314,7 +334,8 @@ def first_pass(entry: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--head", choices=["mtp", "eagle3", "both"], default="both")
+    p.add_argument("--head", choices=["mtp", "eagle3", "both", "none"], default="both",
+                   help="none: measure the draft model only (the heads' reference)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
@@ -350,13 +371,17 @@ def main() -> None:
                    "objective": "KL(target || head) at T = 1, one step ahead (EAGLE-3: over "
                                 f"{UNROLL} chained steps), teacher-forced; a batch is stdlib "
                                 "code windows (bench/train_demo.py's split) and, with "
-                                "--generated, as many rows of the target's greedy "
+                                "--generated, --own-share of it rows of the target's greedy "
                                 "continuations of training windows",
                    "greedy_agreement": "top-1 agreement at the generated positions of the "
                                        f"target's {GREEDY_NEW} greedy tokens after each of "
                                        "bench/demo_quality.py's 24 held-out code prompts"})
+    draft = DraftModel()
+    report["draft_model"] = {**held_out(draft, target, held, args.seq),
+                             "greedy_agreement": greedy_agreement(draft, target, rows)}
+    print("draft model", report["draft_model"], flush=True)
     heads = {"mtp": Mtp, "eagle3": Eagle3}
-    for name in (["mtp", "eagle3"] if args.head == "both" else [args.head]):
+    for name in {"both": ["mtp", "eagle3"], "none": []}.get(args.head, [args.head]):
         head = heads[name](target)
         if args.resume:
             head.load()
@@ -401,6 +426,10 @@ def plot(report: dict, path) -> None:
     ax.set_xticks(range(len(names)), names, fontsize=7)
     for i, v in enumerate(values):
         ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+    if "draft_model" in report:
+        ax.axhline(report["draft_model"]["greedy_agreement"], color="#dd8452", ls="--", lw=1,
+                   label="0.9M draft model, greedy text")
+        ax.legend(loc="lower right", fontsize=7)
     ax.set_ylim(0, 1)
     ax.set_ylabel("top-1 agreement with the target")
     ax.set_title("Demo target's heads, held-out (teacher-forced, one step ahead):\n"
