@@ -1,5 +1,6 @@
-"""results/README.md's section for the demo pair's repair (results/demo_derepeat.json). Called by
-render_readme.py."""
+"""results/README.md's sections for the demo pair: its training (results/demo_training.json), its
+chat/editing retrain (demo_retrain.json), its repair (demo_derepeat.json) and its acceptance on
+held-out prompts (demo_quality.json). Called by render_readme.py."""
 
 from __future__ import annotations
 
@@ -41,3 +42,59 @@ def derepeat(r: dict) -> list[str]:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "⏎").replace("`", "'")[:160]
+
+
+def training(r: dict) -> list[str]:
+    loss = r["held_out_loss_nats"]
+    p = r["parameters"]
+    return [
+        f"**Demo pair training** (`{r['command']}`, {r['seconds']['total'] / 60:.0f} min on "
+        f"{r['machine']['threads']} CPU threads; [json](results/demo_training.json)): target "
+        f"{p['target'] / 1e6:.2f}M parameters, held-out loss {loss['target']:.3f} nats; draft "
+        f"{p['draft'] / 1e6:.2f}M, {loss['draft']:.3f} nats; uniform "
+        f"{r['uniform_loss_nats']:.3f} nats.",
+    ]
+
+
+def retrain(r: dict) -> list[str]:
+    old, new = r["old"], r["new"]
+    lines = [
+        f"**Demo pair retrained on code + chat + edits** (`{r['command']}`, "
+        f"{r['seconds']['total'] / 60:.0f} min on {r['machine']['threads']} CPU threads; "
+        f"{r['corpus']['chat_exchanges']} chat and {r['corpus']['editing_exchanges']} editing "
+        "exchanges built from the training files; held-out sets from the held-out files; "
+        "[json](results/demo_retrain.json), [plot](results/demo_retrain.png)); old pair -> new",
+        "",
+        "| held-out set | target loss (nats) | draft acceptance sum(min(p, q)), T = 1 | "
+        "draft/target greedy agreement |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in old["held_out_loss_nats"]:
+        lines.append(
+            f"| {name} | {old['held_out_loss_nats'][name]:.3f} -> "
+            f"{new['held_out_loss_nats'][name]:.3f} | {old['acceptance_t1'][name]:.3f} -> "
+            f"{new['acceptance_t1'][name]:.3f} | {old['greedy_agreement'][name]:.3f} -> "
+            f"{new['greedy_agreement'][name]:.3f} |")
+    lines += ["", f"Copy accuracy (the target's top-1 on the answer of held-out editing "
+                  f"exchanges, teacher-forced): {old['copy_accuracy']:.3f} -> "
+                  f"{new['copy_accuracy']:.3f}."]
+    return lines
+
+
+def quality(r: dict) -> list[str]:
+    s = r["settings"]
+    plain = r["plain"]["tokens_per_second"]
+    lines = [
+        f"**Demo pair, held-out prompts** (`python bench/demo_quality.py`; {s['prompts']} prompts "
+        f"x {s['max_tokens']} tokens, k={s['k']}, {s['dtype']}, {r['machine']['device']}, "
+        f"BLAS: {r['machine']['blas']}; [json](results/demo_quality.json), "
+        "[plot](results/demo_quality.png))",
+        "",
+        "| sampling | acceptance | per position | speculative / plain tokens/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, res in r["speculative"].items():
+        curve = " ".join(f"{x:.2f}" for x in res["per_position"] if x is not None)
+        lines.append(f"| {name} | {res['acceptance']:.3f} | {curve} | "
+                     f"{res['tokens_per_second'] / plain:.2f}x |")
+    return lines
