@@ -1,0 +1,88 @@
+"""The server command, `python -m tinydraft_mlx.server`: a subprocess on the bundled demo pair
+starts, serves a stream and stops cleanly on SIGTERM; its flags pick the draft and are checked
+(a one-line error, exit 2) before the models load where they can be."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+COMPLETIONS = "/v1/completions"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_command_serves_and_stops_cleanly_on_sigterm():
+    """`python -m tinydraft_mlx.server` starts on the demo pair; SIGTERM while a stream is in
+    flight: the stream completes with [DONE] and the process exits 0."""
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tinydraft_mlx.server", "--port", str(port),
+                             "--log-level", "warning"], env=env, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"prompt": "def parse_args(", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        chunks = [json.loads(x[6:]) for x in [first] + rest if x != "data: [DONE]"]
+        assert rest[-1] == "data: [DONE]" and len(chunks) == 200
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_server_drafts_hybrid_by_default_with_a_draft_model():
+    from tinydraft_mlx.server import build_app, setup_arg_parser
+
+    for argv, draft in [([], "hybrid"), (["--no-hybrid"], "model"),
+                        (["--draft", "prompt-lookup"], "prompt-lookup"),
+                        (["--draft", "none"], "none")]:
+        app = build_app(setup_arg_parser().parse_args(argv))
+        assert app.state.service.defaults.draft == draft, argv
+
+
+def test_server_flags_are_checked_before_loading(capsys):
+    from tinydraft_mlx.server import main
+
+    for argv, message in [(["-k", "0"], "--num-draft-tokens must be"),
+                          (["--max-queue", "0"], "--max-queue must be an integer >= 1 (got 0)"),
+                          (["--max-kv-size", "3"], "--max-kv-size must be"),
+                          (["--max-kv-size", "10", "-k", "6"], "--num-draft-tokens must be an "
+                           "integer in [1, 5] with max_kv_size 10 (got 6)"),
+                          (["--temp", "-1"], "--temp must be"),
+                          (["--bitwise", "-k", "9"], '--num-draft-tokens must be an integer in '
+                           '[1, 8] or "auto" with bitwise (got 9)'),
+                          (["--bitwise", "--max-kv-size", "64"],  # after loading the models
+                           "--bitwise must be False with max_kv_size 64")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
