@@ -43,6 +43,20 @@ def model_dtype(model) -> str:
     return "/".join(floats) + (f", {'/'.join(map(str, bits))}-bit quantized" if bits else "")
 
 
+def command(script: str, settings: dict) -> str:
+    """The command line of bench/<script> that gives `settings` (argparse destinations, in
+    order): a list as its values, True as the bare flag, False left out."""
+    parts = [f"python bench/{script}"]
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parts += [flag] if value else []
+        else:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            parts.append(" ".join([flag, *map(str, values)]))
+    return " ".join(parts)
+
+
 def save(report: dict, name: str, plot) -> Path:
     """Write results/<name>.json and, through `plot(report, path)`, results/<name>.png."""
     out = ROOT / "results" / f"{name}.json"

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import machine, pyplot
+from common import command, machine, pyplot
 from demo_quality import held_out_prompts
 from retrain_demo import DEMO, Mixture, corpora, measure, stream
 from train_demo import ROOT, lr_at
@@ -80,6 +80,16 @@ def greedy(model, prompts: torch.Tensor, n: int) -> torch.Tensor:
     """(B, P + n): each prompt row (same length) and its n greedy tokens."""
     return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@torch.no_grad()
+def greedy_rows(target, tok, prompts: list[str], n: int) -> list[tuple[torch.Tensor, int]]:
+    """Each prompt with the target's n greedy tokens: (ids (1, P + n), P)."""
+    rows = []
+    for text in prompts:
+        ids = torch.tensor([tok.encode(text)])
+        rows.append((greedy(target, ids, n), ids.shape[1]))
+    return rows
 
 
 def sequence_unlikelihood(model, data: np.ndarray, rng, batch: int, prompt_len: int,
@@ -176,13 +186,10 @@ def greedy_quality(target, draft, tok, prompts: list[str], n: int = 64) -> dict:
     rounds as the engine's greedy rule runs them) and the longest run of one token, per prompt."""
     accepted = drafted = 0
     runs = []
-    for text in prompts:
-        ids = torch.tensor([tok.encode(text)])
-        seq = greedy(target, ids, n)
-        out = seq[0, ids.shape[1]:].tolist()
+    for seq, start in greedy_rows(target, tok, prompts, n):
+        out = seq[0, start:].tolist()
         runs.append(longest_run(out))
-        agree = (draft(seq[:, :-1]).logits.argmax(-1)[0, ids.shape[1] - 1:]
-                 == seq[0, ids.shape[1]:]).tolist()
+        agree = (draft(seq[:, :-1]).logits.argmax(-1)[0, start - 1:] == seq[0, start:]).tolist()
         t = 0
         while t < n - 1:  # a round drafts min(K, tokens left - 1), as the engine caps k
             k = min(K, n - 1 - t)
@@ -293,12 +300,10 @@ def main() -> None:
     for name, model in (("target", target), ("draft", draft)):
         save_weights(model, DEMO / name)
     settings = {k: v for k, v in vars(args).items() if k not in ("dry", "resume", "old")}
-    command = "python bench/derepeat_demo.py " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
-        for k, v in settings.items()) + (" --resume" if args.resume else "")
+    line = command("derepeat_demo.py", {**settings, "resume": args.resume})
     out = ROOT / "results" / "demo_derepeat.json"
     before = json.loads(out.read_text()) if args.resume else {"passes": []}
-    passes = before["passes"] + [{"command": command, "settings": settings,
+    passes = before["passes"] + [{"command": line, "settings": settings,
                                   "seconds": {"total": round(time.time() - t0),
                                               "target": round(target_s),
                                               "draft": round(draft_s)}}]

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from common import command
 from train_demo import ROOT, corpus_files, encode, read, save, train
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -238,10 +239,6 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _flag_value(value) -> str:
-    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-steps", type=int, default=300)
@@ -285,9 +282,8 @@ def main() -> None:
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     report = {
-        "command": "python bench/retrain_demo.py " + " ".join(
-            f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in vars(args).items()
-            if k != "out"),
+        "command": command("retrain_demo.py",
+                           {k: v for k, v in vars(args).items() if k != "out"}),
         "from": "the demo pair of bench/train_demo.py (results/demo_training.json)",
         "seconds": {"total": round(time.time() - t0), "target": round(target_s),
                     "draft": round(draft_s)},

@@ -42,8 +42,9 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import machine, save
-from derepeat_demo import greedy, target_text
+from common import command, machine, save
+from demo_quality import held_out_prompts
+from derepeat_demo import greedy_rows, target_text
 from train_demo import ROOT, corpus_files, encode, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -237,19 +238,6 @@ def held_out(head, target, data: np.ndarray, seq: int, windows: int = 48) -> dic
 
 
 @torch.no_grad()
-def greedy_rows(target, tok, n: int = GREEDY_NEW) -> list[tuple[torch.Tensor, int]]:
-    """bench/demo_quality.py's 24 held-out code prompts, each with the target's n greedy tokens:
-    (ids (1, P + n), P)."""
-    from demo_quality import held_out_prompts
-
-    rows = []
-    for prompt in held_out_prompts(24, 0):
-        ids = torch.tensor([tok(prompt)["input_ids"]])
-        rows.append((greedy(target, ids, n), ids.shape[1]))
-    return rows
-
-
-@torch.no_grad()
 def greedy_agreement(head, target, rows) -> float:
     """Top-1 agreement along the target's own greedy text: at every generated position, the
     head reading the target's state before it and the token after predicts the token after
@@ -325,11 +313,9 @@ def first_pass(entry: dict) -> dict:
     """A report entry written before passes were listed, as its one pass."""
     settings = {k: v for k, v in entry["settings"].items() if k != "head"}
     settings.setdefault("generated", 0)  # written before the greedy text was an option
-    return {"command": "python bench/train_heads.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
-        + f" --head {entry['settings']['head']}", "steps": settings["steps"],
-        "train_seconds": entry["train_seconds"], "held_out_before": entry["held_out_before"],
-        "held_out_after": entry["held_out_after"]}
+    return {"command": command("train_heads.py", {**settings, "head": entry["settings"]["head"]}),
+            "steps": settings["steps"], "train_seconds": entry["train_seconds"],
+            "held_out_before": entry["held_out_before"], "held_out_after": entry["held_out_after"]}
 
 
 def main() -> None:
@@ -362,7 +348,7 @@ def main() -> None:
     t0 = time.time()
     generated = (target_text(target, data, args.generated, args.seed + 2, args.prompt_len)
                  if args.generated else torch.zeros(0, args.seq, dtype=torch.long))
-    rows = greedy_rows(target, tok)
+    rows = greedy_rows(target, tok, held_out_prompts(24, 0), GREEDY_NEW)
     print(f"greedy text: {len(generated)} training rows, {len(rows)} held-out rows "
           f"({time.time() - t0:.0f} s)", flush=True)
     out = ROOT / "results" / "train_heads.json"
@@ -385,14 +371,13 @@ def main() -> None:
         head = heads[name](target)
         if args.resume:
             head.load()
-        command = "python bench/train_heads.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k not in ("head", "resume")) + f" --head {name}" + (
-            " --resume" if args.resume else "")
+        line = command("train_heads.py", {
+            **{k: v for k, v in vars(args).items() if k not in ("head", "resume")},
+            "head": name, "resume": args.resume})
         passes = list(report[name].get("passes") or [first_pass(report[name])]
                       if args.resume and name in report else [])
         result = train_head(head, target, data, held, generated, rows, args)
-        passes.append({"command": command, "steps": args.steps,
+        passes.append({"command": line, "steps": args.steps,
                        "train_seconds": result["train_seconds"],
                        "held_out_before": result["held_out_before"],
                        "held_out_after": result["held_out_after"]})
