@@ -203,6 +203,27 @@ def test_sampled_first_two_tokens_inside_mixed_batches(eagle):
                                joint, wrong)
 
 
+def test_every_drafter_kind_in_one_sampled_same_warp_batch_with_a_narrower_draft(eagle):
+    """T = 0.7, one warp for every row, the draft model's vocabulary 64 ids narrower than the
+    target's (as Qwen2.5-0.5B's beside 7B): rows drafting with the draft model (k = 2) share
+    batches with prompt lookup on a repeating prompt (point masses of the target's width), the
+    hybrid, the MTP layer, the EAGLE-3 head (its own small vocabulary) and plain rows, at k = 2
+    (their q stacked with the model's) and k = 3 (padded to the longest). The model rows' first
+    two tokens against the oracle's exact joint (chi-square, the suite's bound); the joint at
+    T = 1 is rejected by the same samples."""
+    _, _, (target, head, tok), draft, refs, oracle = eagle
+    ids = refs[2][0]
+    assert draft.model.embed_tokens.weight.shape[0] < target.model.embed_tokens.weight.shape[0]
+    joint = two_step_joint(oracle.logits, ids, temperature=0.7)
+    wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
+    same = SamplingParams(0.7)
+    companions = [(same, "prompt-lookup", 2), (same, "hybrid", 3), (same, "mtp", 2),
+                  (same, head, 3), (same, None, 0), (same, "prompt-lookup", 3)]
+    repeating = refs[0][0] * 3  # its suffix occurs earlier: prompt lookup proposes
+    check_first_two_in_batches(lambda: BatchDecoder(target, draft), ids, "model", same,
+                               companions, [repeating, repeating], joint, wrong)
+
+
 def test_the_cli_and_the_check_tool_take_an_eagle3_directory(eagle, tmp_path, capsys):
     from tinydraft_mlx.programs.check import main as check
     from tinydraft_mlx.programs.cli import main as cli

@@ -308,8 +308,15 @@ class Proposals:
         return mx.array(self.host[b] or [], dtype=mx.int32)[:k]
 
     def q_of(self, b: int, width: int) -> mx.array:
-        """Row b's (k, Vq) draft distributions; point masses for a host proposal."""
-        return self.q[b] if self.q[b] is not None else point_mass(self.drafts(b), width)
+        """Row b's (k, W) draft distributions, W the round's one width for q: the target's
+        (`width`), or a wider draft's where one proposed, so that every row's q stacks. Point
+        masses for a host proposal; a narrower draft's q is zero on the ids it lacks."""
+        width = max([width] + [q.shape[-1] for q in self.q if q is not None])
+        q = self.q[b]
+        if q is None:
+            return point_mass(self.drafts(b), width)
+        extra = width - q.shape[-1]
+        return q if extra == 0 else mx.pad(q, [(0, 0), (0, extra)])
 
     def values(self) -> list[list[int]]:
         """Every row's draft ids on the host (one read of the chain)."""
