@@ -70,6 +70,32 @@ def test_the_server_drafts_hybrid_by_default_with_a_draft_model():
         assert app.state.service.defaults.draft == draft, argv
 
 
+@pytest.mark.parametrize("argv, draft", [
+    ([], "hybrid"), (["--no-hybrid"], "model"), (["--draft", "mtp"], "mtp"),
+    (["--draft", "tinydraft_mlx/demo/eagle3"], "eagle3"), (["--mtp", "--no-hybrid"], "model"),
+    (["--draft", "prompt-lookup"], "prompt-lookup"), (["--draft", "none"], "none")])
+def test_the_servers_default_drafter_serves_requests_that_name_none(argv, draft):
+    """Whatever kind the server's drafter is (a draft model, the target's MTP layer, an EAGLE-3
+    head, prompt lookup, none), a plain OpenAI request (no `draft`) is drafted by it; a request
+    may name it, and a name the server cannot serve is a 400 that lists the ones it can."""
+    from fastapi.testclient import TestClient
+
+    from tinydraft_mlx.server import build_app, setup_arg_parser
+
+    app = build_app(setup_arg_parser().parse_args(argv + ["-k", "3"]))
+    body = {"prompt": "def parse_args(", "max_tokens": 8, "temperature": 0}
+    with TestClient(app) as client:
+        assert client.get("/health").json()["draft"] == draft
+        plain = client.post(COMPLETIONS, json=body)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["completion_tokens"] == 8
+        named = client.post(COMPLETIONS, json=body | {"draft": draft})
+        assert named.status_code == 200, named.text
+        assert named.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+        wrong = client.post(COMPLETIONS, json=body | {"draft": "medusa"})
+        assert wrong.status_code == 400 and repr(draft) in wrong.json()["error"]["message"]
+
+
 def test_server_flags_are_checked_before_loading(capsys):
     from tinydraft_mlx.server import main
 

@@ -63,7 +63,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp", action="store_true",
                    help="also load the target's MTP layer (from its original checkpoint's mtp.* "
                         "tensors), so that requests may send draft \"mtp\" beside the draft model")
-    p.add_argument("-k", "--num-draft-tokens", default=str(DEFAULT_K), dest="k",
+    p.add_argument("-k", "--num-draft-tokens", default=DEFAULT_K, dest="k", type=_k_flag,
                    help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' "
                         f"({DEFAULT_K}); requests may set num_draft_tokens")
     p.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
@@ -114,9 +114,13 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
+def _k_flag(value: str) -> int | str:
+    """-k as the engine takes it: an int where it is one (checked in `_check_flags`)."""
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
 def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    k = args.k if args.k == "auto" else (int(args.k) if args.k.lstrip("-").isdigit() else args.k)
-    args.k = k
+    k = args.k
     try:
         check_k(k, bitwise=args.bitwise)
         check_int("--port", args.port, 0, 65535)

@@ -318,10 +318,17 @@ class Service:
             return "--max-kv-size", self.worker.max_kv_size
         return "the model's context length", self.context
 
+    def draft_choices(self) -> tuple[str, ...]:
+        """The names a request's `draft` may take: the server's own drafter's (a head's kind,
+        e.g. "eagle3", where it was started with one) and the shared ones."""
+        own = self.defaults.draft
+        return DRAFT_CHOICES + ((own,) if own not in DRAFT_CHOICES else ())
+
     def _draft(self, draft: str | None) -> str:
         draft = self.defaults.draft if draft is None else draft
-        if draft not in DRAFT_CHOICES:
-            raise bad("draft", f"draft must be one of {list(DRAFT_CHOICES)} (got {draft!r})")
+        choices = self.draft_choices()
+        if draft not in choices:
+            raise bad("draft", f"draft must be one of {list(choices)} (got {draft!r})")
         head = head_of(self.worker.target)
         if (draft == DRAFT_MODEL or (draft == HYBRID and head is None)) \
                 and self.worker.draft is None:
@@ -331,6 +338,19 @@ class Service:
             raise bad("draft", f'draft "{MTP}": this server has not loaded the target\'s MTP '
                       f'layer (start it with --draft {MTP} or --mtp)')
         return draft
+
+    def _drafter(self, name: str) -> object:
+        """The `draft` argument the engine takes for a checked name: the server's draft model
+        (or head) for "model" and for its own drafter's name, lookup with it for "hybrid",
+        else the name itself ("mtp", "prompt-lookup", "none")."""
+        model = self.worker.draft if self.worker.draft is not None else head_of(self.worker.target)
+        if model is None:
+            return name
+        if name == HYBRID:
+            return Hybrid(model)
+        if name == DRAFT_MODEL or (name == self.defaults.draft and name not in DRAFT_CHOICES):
+            return self.worker.draft
+        return name
 
     def _logit_bias(self, spec: Spec) -> dict[int, float] | None:
         if spec.logit_bias is None:
@@ -361,10 +381,7 @@ class Service:
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
 
-        model = self.worker.draft if self.worker.draft is not None else head_of(self.worker.target)
-        draft = {DRAFT_MODEL: self.worker.draft, HYBRID: Hybrid(model)}.get(
-            plan.draft, plan.draft) if model is not None else plan.draft
-        job = Job(plan.prompt, draft, plan.options, deliver)
+        job = Job(plan.prompt, self._drafter(plan.draft), plan.options, deliver)
         try:
             self.worker.submit(job)
         except QueueFull as err:
