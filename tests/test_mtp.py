@@ -22,6 +22,8 @@ Checked against independent references:
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import mlx.core as mx
 import numpy as np
@@ -153,6 +155,44 @@ def test_the_heads_logits_equal_an_independent_reference(mtp, family):
     # the control: the same head fed its two inputs the other way round is far off
     wrong, _ = head(mx.array([ids[:-1]]), None, hidden=ours[:, 1:])
     assert np.abs(np.array(wrong[0]) - expected).max() > 0.1
+
+
+@pytest.mark.parametrize("interval", [True, False], ids=["hub-keys", "layer-types-only"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_hub_checkpoint_that_nests_its_text_model_gives_the_same_head(mtp, family, interval,
+                                                                        tmp_path):
+    """The hub's Qwen3.5 checkpoints are vision-language ones: config.json nests the text model
+    under `text_config` (model_type "qwen3_5_text" / "qwen3_5_moe_text") and the body's tensors
+    sit under `model.language_model.`. The same tensors in that layout give an MTP layer whose
+    logits equal the independent reference's (its norms read as weight + 1, as the flat
+    layout's), whether the nested config carries `full_attention_interval` (the hub's do) or
+    only transformers 5's `layer_types`."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    target_dir, _, _, refs, oracle = mtp[family]
+    hub = tmp_path / family
+    shutil.copytree(target_dir, hub)
+    text = json.loads((hub / "config.json").read_text())
+    text["model_type"] = f"{family}_text"
+    if interval:
+        text["full_attention_interval"] = text["layer_types"].index("full_attention") + 1
+    nested = {"model_type": family, "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "text_config": text, "tie_word_embeddings": text.get("tie_word_embeddings", False),
+              "vision_config": {"depth": 1, "hidden_size": 16}}
+    (hub / "config.json").write_text(json.dumps(nested))
+    weights = load_file(str(hub / "model.safetensors"))
+    save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in weights.items()}, str(hub / "model.safetensors"))
+    target, head, _ = load_models(str(hub), "mtp", dtype="float32")
+    ids = refs[0][0] + refs[0][1][:8]
+    expected, _ = _reference_head(target_dir, family, oracle, ids)
+    states = head.target_states(ids)
+    logits, _ = head(mx.array([ids[1:]]), None, hidden=states[:, :-1])
+    got = np.array(logits[0]).astype(np.float64)
+    assert np.abs(got - expected).max() < 2e-3 * max(1.0, np.abs(expected).max()), \
+        np.abs(got - expected).max()
 
 
 def test_the_deepseek_layout_gives_the_same_head(mtp, tmp_path):

@@ -98,7 +98,10 @@ def lm_head(target: nn.Module) -> Any:
 
 
 def model_type(target: nn.Module) -> str | None:
-    return getattr(getattr(hidden.text_model(target), "args", None), "model_type", None)
+    """The target's text model type, as mlx-lm names its module ("qwen3_5" for the
+    "qwen3_5_text" a vision-language checkpoint's `text_config` names)."""
+    kind = getattr(getattr(hidden.text_model(target), "args", None), "model_type", None)
+    return kind.removesuffix("_text") if isinstance(kind, str) else kind
 
 
 def attention_layer(target: nn.Module) -> tuple[int, nn.Module]:

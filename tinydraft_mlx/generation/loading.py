@@ -95,7 +95,8 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     "layer_types" (mlx-lm reads "full_attention_interval"), Granite 4's layer names in it
     (mlx-lm reads "mamba" / "attention"), Mamba-2's inner width (expand x hidden) and a
     text-only Qwen3.5 checkpoint's model type ("qwen3_5_text") as mlx-lm's model of it
-    ("qwen3_5"). Raises ModelLoadError for a layer layout mlx-lm's model cannot express."""
+    ("qwen3_5"); the same for the text model a vision-language checkpoint nests under
+    "text_config". Raises ModelLoadError for a layer layout mlx-lm's model cannot express."""
     rope = config.get("rope_parameters")
     overrides: dict[str, Any] = {}
     if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
@@ -131,6 +132,10 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
         overrides["intermediate_size"] = config["expand"] * config["hidden_size"]
     if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         overrides["model_type"] = model_type.removesuffix("_text")
+    text = config.get("text_config")
+    if isinstance(text, dict) and (inner := config_overrides(text)):
+        # a vision-language checkpoint (the hub's Qwen3.5): its text model's config, alike
+        overrides["text_config"] = {**text, **inner}
     return overrides
 
 
