@@ -157,3 +157,36 @@ def test_seeded_pick_draws_from_p():
     assert counts[-1] == 0
     stat = ((counts[:-1] - n * p[:-1]) ** 2 / (n * p[:-1])).sum()
     assert stat < chi2_threshold(len(p) - 2), (stat, counts)  # 4 degrees of freedom
+
+
+def test_seeded_noise_reaches_the_gumbel_tails_a_small_probability_needs():
+    """A token whose probability is e^-30 of the top one's wins a Gumbel-max draw only where
+    its noise beats the top's by 30: the noise's extremes (the smallest and largest hashes) must
+    span more than that. Checked against the Gumbel quantile -log(-log(1 - w)) in float64 at w
+    from the same 48 bits (hand-picked and random hashes), to float32 rounding."""
+    from tinydraft_mlx.engine import seeded
+
+    rng = np.random.default_rng(0)
+    high = np.concatenate([[0, 0, 255, 2**32 - 1, 2**32 - 1], rng.integers(0, 2**32, 2000)])
+    low = np.concatenate([[0, 2**32 - 1, 0, 0, 2**32 - 1], rng.integers(0, 2**32, 2000)])
+    got = np.array(seeded.gumbel_of(mx.array(high, dtype=mx.uint32),
+                                    mx.array(low, dtype=mx.uint32)), dtype=np.float64)
+    w = ((high >> 8) + ((low >> 8) + 0.5) / 2**24) / 2**24
+    expected = -np.log(-np.log1p(-np.minimum(w, 1 - 2.0**-24)))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert got.max() > 33.0 and got.min() < -2.8 and got.max() - got.min() > 36.0
+
+
+def test_a_draw_never_lands_on_a_zero_mass_token():
+    """Inverting the cumulative distribution where u x total reaches the total (u = 1: what a
+    kernel that rounds the product up gives; MLX's uniforms stop at 1 - 2^-24, whose float32
+    product with a total stays below it), a draw that counted the entries at or below u x total
+    would pick the trailing zero-mass token: the last token with mass is drawn instead, and u = 0
+    draws the first token with mass."""
+    from tinydraft_mlx.engine.sampling import invert_cdf
+
+    probs = mx.array([[1.0, 2.0, 0.0, 0.0], [0.0, 1.0, 0.0, 2.0], [0.0, 0.5, 0.5, 0.0]])
+    assert invert_cdf(probs, mx.ones((3, 1))).tolist() == [1, 3, 2]
+    assert invert_cdf(probs, mx.zeros((3, 1))).tolist() == [0, 1, 1]
+    top = mx.full((3, 1), 1 - 2.0**-24)
+    assert invert_cdf(probs, top).tolist() == [1, 3, 2]

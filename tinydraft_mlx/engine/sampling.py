@@ -193,9 +193,16 @@ def sample_rows(probs: mx.array, key: mx.array) -> mx.array:
     the cumulative distribution at one uniform per row: exact, and on a CPU much cheaper than
     `mx.random.categorical`, which draws V Gumbel variates per row (and takes V logarithms).
     Every draw of the loop uses it: a seeded sequence's draws are its key's uniforms."""
+    return invert_cdf(probs, mx.random.uniform(shape=(*probs.shape[:-1], 1), key=key))
+
+
+def invert_cdf(probs: mx.array, u: mx.array) -> mx.array:
+    """The token at uniform u (..., 1) in [0, 1) of each row of `probs` (..., V): the first
+    index whose cumulative mass exceeds u x total, so token i is drawn when cdf[i-1] <= u x total
+    < cdf[i], with probability p_i. A zero-mass token is never drawn, not even where u x total
+    rounds up to the total (then the last token with mass is)."""
     cdf = mx.cumsum(probs.astype(mx.float32), axis=-1)
-    u = mx.random.uniform(shape=(*probs.shape[:-1], 1), key=key) * cdf[..., -1:]
-    # the first index whose cumulative mass exceeds u (u in [0, total)): token i is drawn when
-    # cdf[i-1] <= u < cdf[i], with probability p_i; a zero-mass token never (not even at u = 0)
-    index = (cdf <= u).astype(mx.int32).sum(axis=-1)
-    return mx.minimum(index, probs.shape[-1] - 1).astype(mx.int32)
+    total = cdf[..., -1:]
+    index = (cdf <= u * total).astype(mx.int32).sum(axis=-1)
+    last = (cdf < total).astype(mx.int32).sum(axis=-1)  # the last token with mass
+    return mx.minimum(index, last).astype(mx.int32)

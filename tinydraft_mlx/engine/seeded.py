@@ -13,9 +13,13 @@ which is at most sum_x min(p, q), the acceptance of min(1, p/q) rejection sampli
 keep that rule; what the difference costs is measured in results/seeded.json).
 
 The noise is a counter-based hash (MurmurHash3's 32-bit finalizer, chained over the seed's two
-halves, the position and the token id) turned into a uniform u in (0, 1) with 24 bits and then
-into -log(-log(u)); it needs no state, so a position's noise is the same in any round, batch or
-process, on any backend.
+halves, the position and the token id); it needs no state, so a position's noise is the same in
+any round, batch or process, on any backend. Two hashes give a uniform w in (0, 1) with 48 bits
+(`gumbel_of`), and the noise is the Gumbel quantile at 1 - w, -log(-log1p(-w)), computed from w
+so that float32 keeps its resolution where the upper tail needs it: the noise spans about
+[-3.5, 33.6], and a token whose probability is down to e^-36 of the top one's can still be drawn
+(with 24 bits the span was [-2.8, 17.3]: a token below e^-20 of the top could never be). The
+draw differs from an exact Gumbel-max only on events of probability below 2^-47.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import mlx.core as mx
 
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # MurmurHash3 fmix32's multipliers
 _GOLDEN = 0x9E3779B9  # spreads token ids apart before mixing
+_SECOND = 0x27D4EB2F  # the second chain's constant (xxHash's 32-bit prime 3)
 
 
 def _u32(value: int) -> mx.array:
@@ -39,12 +44,28 @@ def _mix(x: mx.array) -> mx.array:
     return x ^ (x >> _u32(16))
 
 
+_TOP = 1.0 - 2.0**-24  # the largest float32 below 1
+
+
+def gumbel_of(high: mx.array, low: mx.array) -> mx.array:
+    """Standard Gumbel variates from two uint32 hashes: w = (high's top 24 bits + (low's top 24
+    bits + 1/2) / 2^24) / 2^24, a uniform in (0, 1) with 48 bits, fine near 0; the quantile
+    -log(-log(1 - w)) taken as -log(-log1p(-w)), so that a small w (the upper tail) keeps its
+    precision."""
+    w = ((high >> _u32(8)).astype(mx.float32) * 2.0**-24
+         + ((low >> _u32(8)).astype(mx.float32) + 0.5) * 2.0**-48)
+    w = mx.minimum(w, _TOP)  # a rounding up to 1 is the lower tail's last step
+    return -mx.log(-mx.log1p(-w))
+
+
 def _gumbel(seed_lo: mx.array, seed_hi: mx.array, positions: mx.array,
             tokens: mx.array) -> mx.array:
     base = _mix(_mix(_mix(seed_hi) ^ seed_lo) ^ positions)  # (n, 1)
-    h = _mix(base ^ (tokens * _u32(_GOLDEN)))  # (n, V)
-    u = ((h >> _u32(8)).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -mx.log(-mx.log(u))
+    high = _mix(base ^ (tokens * _u32(_GOLDEN)))  # (n, V)
+    # the low bits from a second chain (other order and constants), not from `high`
+    base2 = _mix(_mix(_mix(seed_lo ^ _u32(_SECOND)) ^ seed_hi) ^ positions)
+    low = _mix(base2 ^ (tokens * _u32(_SECOND)))
+    return gumbel_of(high, low)
 
 
 def _scores(probs: mx.array, gumbel: mx.array) -> mx.array:
