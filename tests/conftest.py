@@ -92,6 +92,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_auto_policy():
+    """Every test starts from a clean k="auto" state: what one test's generations taught a
+    pair's policy (held per process) must not shape the next test's rounds."""
+    from tinydraft_mlx.engine.policy import forget_pairs
+
+    forget_pairs()
+    yield
+
+
 @pytest.fixture
 def cpu_fp32():
     """Run the test on MLX's CPU backend (the oracle's device and precision)."""

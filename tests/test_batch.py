@@ -406,6 +406,28 @@ def test_auto_rows_count_their_catch_ups(pair, refs, monkeypatch):
     assert out[plain] == refs[1][1] and last[plain].catch_ups == 0
 
 
+def test_auto_rows_of_different_pairs_choose_and_book_with_their_own_policies(pair, refs):
+    """Two k="auto" rows of different pairs in one batch (the draft model; prompt lookup): each
+    pair's policy books the batch's rounds (its costs at this batch size) and each pair's
+    acceptance its own row's drafts, and the rows keep the oracle's greedy text."""
+    from tinydraft_mlx import PromptLookup
+    from tinydraft_mlx.engine.policy import batch_bucket, shared_policy
+
+    target, draft, _ = pair
+    lookup = PromptLookup()
+    decoder = BatchDecoder(target, draft)
+    model_row = decoder.insert(refs[0][0], draft="model", k="auto", max_tokens=NEW)
+    lookup_row = decoder.insert(refs[1][0] * 2, draft=lookup, k="auto", max_tokens=NEW)
+    out = _drain(decoder, [model_row, lookup_row])
+    assert out[model_row] == refs[0][1]
+    policies = [shared_policy(target, draft), shared_policy(target, repr(lookup))]
+    assert policies[0] is not policies[1]
+    for policy in policies:
+        costs = policy.costs.get(batch_bucket(2))
+        assert costs is not None and sum(costs.timed(k) for k in costs.timings) > 0
+        assert sum(a.reached[0] for a in policy.regimes.values()) > 0
+
+
 def test_batch_generate_refuses_bad_arguments(pair):
     target, draft, tok = pair
     cache = PromptCache(target, draft)

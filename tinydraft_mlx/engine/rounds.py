@@ -482,20 +482,27 @@ class BatchDecoder:
     def _pick(self, ahead: int = 0) -> list[int]:
         """Each row's k for the round `ahead` rounds from now (k="auto" rows share one, chosen
         with the batch in view)."""
-        auto = [r for r in self.rows if r.acceptance is not None]
-        k_auto = 0
-        if auto:
+        k_auto: dict[int, int] = {}  # per pair's policy: its rows' one k
+        for policy, auto in self._auto_pairs().items():
             limit = max(r.max_tokens - r.generated - 1 - ahead for r in auto)
             costs = auto[0].stats.policy.round_costs(len(self.rows))
-            k_auto = choose(costs, [r.acceptance for r in auto], limit)
-            if self.ranks is not None:
-                k_auto = self.ranks.agree(k_auto)
+            k = choose(costs, [r.acceptance for r in auto], limit)
+            k_auto[policy] = self.ranks.agree(k) if self.ranks is not None else k
         picks = []
         for row in self.rows:
             limit = row.max_tokens - row.generated - 1 - ahead
-            k = k_auto if row.acceptance is not None else row.k_cap
+            k = k_auto[id(row.stats.policy)] if row.acceptance is not None else row.k_cap
             picks.append(max(0, min(k, limit, row.k_cap)))
         return picks
+
+    def _auto_pairs(self) -> dict[int, list[_Row]]:
+        """The k="auto" rows by the policy of their (target, drafter) pair, in row order: each
+        pair chooses its k from its own costs and acceptance, and books its own rounds."""
+        pairs: dict[int, list[_Row]] = {}
+        for row in self.rows:
+            if row.acceptance is not None:
+                pairs.setdefault(id(row.stats.policy), []).append(row)
+        return pairs
 
     def _choose(self, chosen: list[int] | dict[int, int] | None = None) -> None:
         """Set each row's k for this round: `chosen` ahead of time (a list in row order, or
@@ -564,10 +571,10 @@ class BatchDecoder:
             keep.append(len(row.seq) - 1 + ahead)
         self.target_cache.rollback(keep)
         self.drafting.commit(self.rows, befores, proposals, seen)
-        auto = [r for r in self.rows if r.acceptance is not None]
-        if timed and auto:
-            k = max(r.round_k for r in auto)
-            auto[0].stats.policy.round_costs(len(self.rows)).update(k, elapsed)
+        if timed:
+            for auto in self._auto_pairs().values():
+                k = max(r.round_k for r in auto)
+                auto[0].stats.policy.round_costs(len(self.rows)).update(k, elapsed)
         if finished:
             for uid, done in self._leave(finished).items():
                 if done.target_cache is not None:
