@@ -224,6 +224,50 @@ def test_every_drafter_kind_in_one_sampled_same_warp_batch_with_a_narrower_draft
                                companions, [repeating, repeating], joint, wrong)
 
 
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_heads_with_bounded_caches_past_several_wraps(eagle, kind, monkeypatch):
+    """max_kv_size = 24 with a head (the MTP layer, the EAGLE-3 head), k="auto" playing plain
+    stretches of 12 rounds between drafting ones (a catch-up of 12 tokens, past the bounded
+    cache's rollback margin of 9), 72 tokens (several wraps of the window): one sequence, a
+    batch of two and a prompt cache's two turns give plain decoding's tokens with the same
+    bound, and the head drafts on the bounded cache it was given (the one-sequence engine's and
+    the prompt cache's)."""
+    from tests.scripted import scripted
+    from tinydraft_mlx import PromptCache
+    from tinydraft_mlx.engine.cache import RollbackRotatingKVCache, make_cache
+    from tinydraft_mlx.engine.policy import AUTO_MAX_K
+    from tinydraft_mlx.engine.speculative import decode
+
+    _, _, (target, head, tok), _, refs, _ = eagle
+    drafter = "mtp" if kind == "mtp" else head
+    window, new, margin = 24, 72, AUTO_MAX_K + 1
+    prompts = [refs[0][0], refs[1][0]]
+    plain = [generate(target, None, tok, ids, max_tokens=new, max_kv_size=window)[0]
+             for ids in prompts]
+    scripted(monkeypatch, (0,) * 12 + (3, 2, 3))
+    from tinydraft_mlx.engine.drafters import resolve_drafter
+
+    model = resolve_drafter(drafter, target=target).model
+    target_cache = make_cache(target, window, margin)
+    head_cache = make_cache(model, window, margin)
+    got = [t.id for t in decode(target, drafter, prompts[0], k="auto", max_tokens=new,
+                                target_cache=target_cache, draft_cache=head_cache)]
+    assert got == plain[0]
+    assert all(isinstance(c, RollbackRotatingKVCache) and c.offset > window for c in head_cache)
+    batch = batch_generate(target, drafter, tok, prompts, k="auto", max_tokens=new,
+                           max_kv_size=window)
+    assert [tokens for tokens, _ in batch] == plain
+    cache = PromptCache(target, drafter, max_kv_size=window)
+    first, _ = generate(target, drafter, tok, prompts[0], k="auto", max_tokens=new // 2,
+                        prompt_cache=cache)
+    assert first == plain[0][: new // 2]
+    assert all(isinstance(c, RollbackRotatingKVCache) and c.max_kv_size == window
+               for c in cache.draft_cache)
+    second, _ = generate(target, drafter, tok, prompts[0] + first, k="auto",
+                         max_tokens=new // 2, prompt_cache=cache)
+    assert first + second == plain[0]
+
+
 def test_the_cli_and_the_check_tool_take_an_eagle3_directory(eagle, tmp_path, capsys):
     from tinydraft_mlx.programs.check import main as check
     from tinydraft_mlx.programs.cli import main as cli

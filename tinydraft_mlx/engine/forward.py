@@ -262,8 +262,8 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any], *, reserve: in
         step = state.ring_step(first.keep, first.window, first.ring)
         _traced_shape(state, ("ring", n, first.keep, first.window, first.ring,
                               *_widths(inputs)))
-    else:
-        return model(tokens, cache=cache)
+    else:  # a forward longer than the ring's margin (a catch-up): eager, with its inputs
+        return model(tokens, cache=cache, **inputs)
     logits, keys, values, seen = step(tokens, mx.array(offset, dtype=mx.int32),
                                       [layer.keys for layer in cache],
                                       [layer.values for layer in cache],

@@ -276,7 +276,9 @@ class BatchDecoder:
         if isinstance(source.model, StateHead):
             # a head's cache goes with what it has not read (a prompt cache's HeadCache)
             if not isinstance(draft_cache, HeadCache):
-                draft_cache = HeadCache(make_cache(source.model, self.max_kv_size, self.margin))
+                empty = draft_cache is not None and cache_length(draft_cache) == 0
+                draft_cache = HeadCache(draft_cache if empty else  # the caller's (bounded) one
+                                        make_cache(source.model, self.max_kv_size, self.margin))
         elif source.model is not None and draft_cache is None:
             draft_cache = make_cache(source.model, self.max_kv_size, self.margin)
         for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:

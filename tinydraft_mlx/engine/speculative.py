@@ -38,6 +38,7 @@ def decode(
     logits_processors: Sequence[Processor] = (),
     prompt_progress_callback: Progress | None = None,
     bitwise: bool = False,
+    max_kv_size: int | None = None,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
     `api.stream_generate`). `draft` is anything `drafters.resolve_drafter` takes (a model, a
@@ -47,14 +48,15 @@ def decode(
     each cache holds at most seq[:-1]. `prompt_progress_callback(processed, total)` follows the
     target's prefill of the prompt tokens not already cached. `bitwise`: every target forward
     carries the same number of positions (`bitwise.py`): greedy output is plain greedy
-    decoding's bit for bit.
+    decoding's bit for bit. `max_kv_size`: the bound of caches the decoder makes itself (a
+    head's, where none is passed), as `make_cache` bounds one.
 
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
     source = resolve_drafter(draft, target=target)
     decoder = BatchDecoder(target, source.model, max_k=max(1, max_draft_length(source, k)),
-                           single=True, bitwise=bitwise)
+                           single=True, bitwise=bitwise, max_kv_size=max_kv_size)
     uid = decoder.insert(prompt, draft=source, k=k, max_tokens=max_tokens, sampling=sampling,
                          eos_token_ids=eos_token_ids, logits_processors=logits_processors,
                          target_cache=target_cache, draft_cache=draft_cache, logprobs=True,

@@ -146,6 +146,7 @@ def run_prepared(target: nn.Module, plan: Prepared, tokenizer: Any) -> Iterator[
             sampling=plan.sampling, eos_token_ids=plan.eos, target_cache=target_cache,
             draft_cache=draft_cache, logits_processors=plan.processors,
             prompt_progress_callback=plan.progress, bitwise=plan.options.bitwise,
+            max_kv_size=plan.max_kv_size,
         )
 
     return _stream(steps, caches, tokenizer, plan.options.stop, plan.eos, prompt_cache, plan.ids)
