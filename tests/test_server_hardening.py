@@ -83,6 +83,36 @@ def test_an_error_outside_the_generation_fails_that_request_only(models, monkeyp
         s.close()
 
 
+def test_a_job_that_fails_after_joining_the_batch_leaves_it(models, monkeypatch):
+    """A job whose sequence went into the batch but whose text layer then failed used to stay
+    in the decoder without its job: every later round raised KeyError, the batch counted it
+    against max_batch, and its prompt cache stayed in use. Now that request gets a 500, the
+    decoder holds nothing of it, no cache stays in use, and the next requests are exact."""
+    s, worker = _serve(models)
+    try:
+        original = worker_module.responses
+        calls = {"n": 0}
+
+        def responses(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("text layer exploded")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(worker_module, "responses", responses)
+        r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n"}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        for _ in range(2):
+            r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n",
+                                                      "max_tokens": 16}, timeout=30)
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["text"] == _plain(models, "def main():\n", 16)
+        assert worker.errors == 0 and not worker.live
+        assert not any(pc.in_use for pc in worker.pool)
+    finally:
+        s.close()
+
+
 def test_health_says_when_the_generation_thread_is_gone(models):
     """A dead generation thread: /health answers 503 with status "error", and a request gets a
     503 at once instead of waiting forever."""

@@ -271,16 +271,25 @@ class Worker:
         except Exception:
             pc.in_use = False
             raise
-        feed: deque[Token] = deque()
-        self.live[uid] = _Live(job, plan, pc, feed,
-                               responses(drain(feed), self.tokenizer, plan.options.stop, plan.eos),
-                               time.perf_counter())
-        job.deliver(Started())
+        try:
+            feed: deque[Token] = deque()
+            text = responses(drain(feed), self.tokenizer, plan.options.stop, plan.eos)
+            self.live[uid] = _Live(job, plan, pc, feed, text, time.perf_counter())
+            job.deliver(Started())
+        except Exception:  # in the decoder but not served: out again, its cache free
+            self.live.pop(uid, None)
+            decoder.remove(uid)
+            pc.in_use = False
+            raise
 
     def _hand(self, decoder: BatchDecoder, uid: int, tokens: list[Token]) -> None:
         """A job's new tokens through its text layer (detokenizer, stop strings) to its client;
         its end, or a failure of its own, takes it out of the batch."""
-        live = self.live[uid]
+        live = self.live.get(uid)
+        if live is None:  # a sequence no job owns (an invariant broken): out of the batch
+            log.error("tokens for a sequence no job owns; it leaves the batch")
+            decoder.remove(uid)
+            return
         try:
             live.feed.extend(tokens)
             for _ in tokens:
