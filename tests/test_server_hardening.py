@@ -113,6 +113,67 @@ def test_a_job_that_fails_after_joining_the_batch_leaves_it(models, monkeypatch)
         s.close()
 
 
+class _OneThreadAtATime:
+    """A tokenizer that fails as a fast tokenizer's borrow checker may ("Already borrowed") when
+    a second thread calls it while one is inside it; each call holds it a millisecond."""
+
+    GUARDED = ("encode", "decode", "apply_chat_template")
+
+    def __init__(self, inner) -> None:
+        self._inner, self._inside, self._lock = inner, 0, threading.Lock()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return _OneThreadAtATime(copy.deepcopy(self._inner, memo))
+
+    def __getattr__(self, name):
+        value = getattr(self._inner, name)
+        if name not in self.GUARDED:
+            return value
+
+        def guarded(*args, **kwargs):
+            with self._lock:
+                if self._inside:
+                    raise RuntimeError("Already borrowed")
+                self._inside += 1
+            try:
+                time.sleep(0.001)
+                return value(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._inside -= 1
+
+        return guarded
+
+
+def test_requests_are_tokenized_while_streams_are_detokenized(models):
+    """Requests are tokenized on the event loop's threads (several at once) while the generation
+    thread detokenizes the running streams: with a tokenizer that fails when two threads are
+    inside it at once, 24 concurrent requests (8 at a time, batched) all complete with plain
+    decoding's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target, draft, tokenizer = models
+    worker = Worker(target, draft, _OneThreadAtATime(tokenizer), cache_bytes=32 << 20,
+                    max_queue=32, max_batch=8)
+    s = Served(create_app(worker, "demo", Defaults(k=3, max_tokens=12)))
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" * 3 for i in range(24)]
+    try:
+        def ask(prompt):
+            r = httpx.post(s.url + COMPLETIONS, json={"prompt": prompt, "max_tokens": 12},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(ask, prompts))
+        assert texts[:3] == [_plain(models, p, 12) for p in prompts[:3]]
+        assert worker.counts["completed"] == 24
+    finally:
+        s.close()
+
+
 def test_health_says_when_the_generation_thread_is_gone(models):
     """A dead generation thread: /health answers 503 with status "error", and a request gets a
     503 at once instead of waiting forever."""

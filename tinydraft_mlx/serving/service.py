@@ -32,6 +32,7 @@ from ..engine.sampling import ParameterError
 from ..generation.options import Options, check_k, make_options
 from ..generation.text import chat_text, prompt_ids
 from .metrics import Metrics
+from .tokenizers import PerThread
 from .tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
 from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
 
@@ -149,12 +150,12 @@ class Plan:
 
 
 class Service:
-    """The state behind the routes: the worker, the tokenizer, the served model's name, the
-    defaults and the metrics."""
+    """The state behind the routes: the worker, the tokenizer (each thread's own copy:
+    tokenizers.py), the served model's name, the defaults and the metrics."""
 
     def __init__(self, worker: Worker, model_name: str, defaults: Defaults) -> None:
         self.worker, self.model_name, self.defaults = worker, model_name, defaults
-        self.tokenizer = worker.tokenizer
+        self._tokenizers = PerThread(worker.tokenizer)
         args = getattr(worker.target, "args", None)
         self.context = getattr(args, "max_position_embeddings", None)
         self.vocab = vocab_width(worker.target)
@@ -165,6 +166,11 @@ class Service:
         self.metrics = Metrics(worker)
         self._planning = asyncio.Semaphore(1)  # one long prompt's tokenization at a time
         self._planners = 0  # long prompts planning or waiting to
+
+    @property
+    def tokenizer(self) -> Any:
+        """The calling thread's own tokenizer (never the generation thread's)."""
+        return self._tokenizers.get()
 
     # -- checking --------------------------------------------------------------------------------
 
