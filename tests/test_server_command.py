@@ -60,6 +60,67 @@ def test_server_command_serves_and_stops_cleanly_on_sigterm():
             proc.wait()
 
 
+def _start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tinydraft_mlx.server", "--port", str(port),
+                             "--log-level", "warning", *flags], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+def test_sigterm_with_a_full_queue_answers_every_request():
+    """SIGTERM while one stream runs (one at a time) and two requests wait: the waiting ones
+    get the API's JSON 503 ("shutting_down") at once, the stream that outlasts the grace (2 s)
+    ends with an error event and [DONE] instead of being cut, and the process exits 0 with no
+    traceback in its log."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, url = _start_server("--max-batch", "1", "--max-queue", "4",
+                              "--timeout-graceful-shutdown", "2", "--draft", "none")
+    try:
+        body = {"prompt": "def parse_args(", "max_tokens": 1900, "stream": True,
+                "temperature": 0.8}
+        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as r, \
+                ThreadPoolExecutor(2) as pool:
+            lines = r.iter_lines()
+            next(lines)
+            waiting = [pool.submit(httpx.post, url + COMPLETIONS, timeout=60,
+                                   json={"prompt": f"x{i}", "max_tokens": 8}) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/health", timeout=5).json()["waiting"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for future in waiting:
+                answer = future.result()
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["code"] == "shutting_down"
+            assert time.monotonic() - sent < 1.5
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])
+        assert error["error"]["code"] == "shutting_down", rest[-2]
+        assert proc.wait(30) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_the_server_drafts_hybrid_by_default_with_a_draft_model():
     from tinydraft_mlx.server import build_app, setup_arg_parser
 

@@ -21,6 +21,7 @@ from fastapi.sse import format_sse_event
 from . import anthropic_schema as an
 from . import openai_schema as oa
 from .anthropic_schema import CountTokensRequest, MessagesRequest
+from .reply import Reply
 from .service import (
     APIError,
     ClientGone,
@@ -29,7 +30,6 @@ from .service import (
     Generation,
     Piece,
     Plan,
-    Reply,
     Service,
     Spec,
     bad,

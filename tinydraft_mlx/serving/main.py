@@ -20,12 +20,14 @@ or not, ends its generation within a round; connections that send no complete re
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+import uvicorn
 from fastapi import FastAPI
 
 from ..engine.bitwise import refusal as bitwise_refusal
@@ -45,6 +47,8 @@ from .service import Defaults, Service
 from .worker import Worker
 
 __all__ = ["Defaults", "build_app", "create_app", "main", "setup_arg_parser"]
+
+GRACE = 30.0  # seconds running requests may take to finish once the server is told to stop
 
 DEFAULT_BATCH = 16  # --max-batch: measured with bench/server.py (results/README.md)
 MAX_BATCH = 256
@@ -105,6 +109,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--header-timeout", type=float, default=limits.HEADER_TIMEOUT,
                    help="seconds a connection may take to send a request's headers; then it is "
                         f"closed ({limits.HEADER_TIMEOUT:g})")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=GRACE,
+                   help="seconds running requests may take to finish after SIGTERM / Ctrl-C; "
+                        "waiting ones get a 503 at once, running ones past it an error event "
+                        f"({GRACE:g})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -131,6 +139,9 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         check_int("--max-connections", args.max_connections, 1)
         if not args.header_timeout > 0:
             raise ParameterError("--header-timeout", "> 0", args.header_timeout)
+        if not args.timeout_graceful_shutdown > 0:
+            raise ParameterError("--timeout-graceful-shutdown", "> 0",
+                                 args.timeout_graceful_shutdown)
         if args.max_kv_size is not None:
             check_int("--max-kv-size", args.max_kv_size, KEEP + 2)
             if (args.draft or "").lower() != NO_DRAFT:
@@ -179,12 +190,24 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     return create_app(worker, name, defaults)
 
 
+class Draining(uvicorn.Server):
+    """uvicorn's Server, whose stop (SIGINT / SIGTERM) first tells the worker: waiting requests
+    get a 503 at once and running ones may finish within `grace` seconds, then end with an
+    error event; uvicorn's own grace is a second longer, so it never cuts a stream itself."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker, grace: float) -> None:
+        super().__init__(config)
+        self.worker, self.grace = worker, grace
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.worker.shutdown(self.grace)
+        super().handle_exit(sig, frame)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until Ctrl-C / SIGTERM (in-flight requests finish; exit status 0). Run as
     a program (argv None: the command line), the process then ends without the interpreter's
     teardown (see the end of this function); with an explicit argv it returns 0."""
-    import uvicorn
-
     from ..generation.loading import ModelLoadError
 
     parser = setup_arg_parser()
@@ -206,11 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     limits.raise_fd_limit()
+    grace = args.timeout_graceful_shutdown
     config = limits.config(app, host=args.host, port=args.port, log_level=args.log_level,
                            header_timeout=args.header_timeout,
-                           max_connections=args.max_connections, timeout_graceful_shutdown=30)
+                           max_connections=args.max_connections,
+                           timeout_graceful_shutdown=math.ceil(grace) + 1)
     limits.limit_logs()  # after uvicorn's Config has set its loggers up
-    uvicorn.Server(config).run()
+    Draining(config, service.worker, grace).run()
     if argv is None:
         # Everything is stopped and flushed by now. A process whose generation thread ran
         # compiled MLX steps aborts now and then in MLX's C++ teardown at exit ("terminate

@@ -20,6 +20,7 @@ from fastapi.sse import format_sse_event
 
 from . import openai_schema as oa
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
+from .reply import Reply
 from .service import (
     APIError,
     ClientGone,
@@ -28,7 +29,6 @@ from .service import (
     Generation,
     Piece,
     Plan,
-    Reply,
     Service,
     Spec,
     bad,

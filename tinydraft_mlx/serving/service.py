@@ -33,8 +33,18 @@ from ..generation.options import Options, check_k, make_options
 from ..generation.text import chat_text, prompt_ids
 from .metrics import Metrics
 from .tokenizers import PerThread
-from .tool_calls import ToolCall, ToolCallSplitter, ToolFormat, function_spec, tool_format
-from .worker import Done, Failed, Job, Piece, QueueFull, Started, Worker, WorkerDown
+from .tool_calls import ToolFormat, function_spec, tool_format
+from .worker import (
+    Done,
+    Failed,
+    Job,
+    Piece,
+    QueueFull,
+    ShuttingDown,
+    Started,
+    Worker,
+    WorkerDown,
+)
 
 # a request's `draft`: the server's draft model, the target's MTP layer, prompt lookup, lookup
 # with the model (or with the MTP layer where the server has no draft model), none
@@ -395,6 +405,8 @@ class Service:
                        err.retry_after) from None
         except WorkerDown as err:
             raise APIError(503, str(err), code="worker_down", kind="server_error") from None
+        except ShuttingDown:
+            raise shutting_down() from None
         watcher = asyncio.create_task(_watch_disconnect(request, job, events))
         gen = Generation(self.metrics, endpoint, plan, job, events, watcher)
         try:
@@ -402,8 +414,7 @@ class Service:
             if isinstance(first, Failed):
                 raise failure(first.error)
             if isinstance(first, Done):  # cancelled before it started (shutdown)
-                raise APIError(503, "the server is shutting down", code="shutting_down",
-                               kind="server_error")
+                raise shutting_down()
             assert isinstance(first, Started)
             return gen
         except BaseException:
@@ -510,43 +521,6 @@ class Generation:
                               done.stats if done is not None else None)
 
 
-class Reply:
-    """A reply's text and tool calls as its pieces arrive: `feed(piece)` returns what can be
-    sent now, strings (text) and `ToolCall`s in order; with no tool format, the text as it
-    comes."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.splitter = (ToolCallSplitter(plan.tool_format, plan.tools)
-                         if plan.tool_format is not None else None)
-        if self.splitter is not None and plan.forced:
-            self.splitter.feed(plan.forced)  # inside the call: nothing to send yet
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.splitter.calls if self.splitter is not None else []
-
-    def feed(self, piece: Piece) -> list[str | ToolCall]:
-        if self.splitter is None:
-            return [piece.text] if piece.text else []
-        out = self.splitter.feed(piece.text)
-        if piece.finish_reason is not None:
-            out += self.splitter.finish()
-        return out
-
-    def parts(self, pieces: list[Piece]) -> list[str | ToolCall]:
-        """The text and tool calls of a whole reply, in order."""
-        parts = [part for piece in pieces for part in self.feed(piece)]
-        if pieces and pieces[-1].finish_reason is None and self.splitter is not None:
-            parts += self.splitter.finish()  # cut short: what is held back is text
-        return parts
-
-    def whole(self, pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
-        """(text, tool calls) of a whole reply."""
-        parts = self.parts(pieces)
-        text = "".join(p for p in parts if isinstance(p, str))
-        return text, [p for p in parts if isinstance(p, ToolCall)]
-
-
 async def _watch_disconnect(request: Request, job: Job, events: asyncio.Queue) -> None:
     """Wait for the client to hang up (the body has been read, so the next ASGI message is the
     disconnect); then cancel the job, which stops before its next token."""
@@ -563,6 +537,11 @@ def busy(message: str, retry_after: int) -> APIError:
                     headers={"Retry-After": str(retry_after)})
 
 
+def shutting_down(counted: bool = False) -> APIError:
+    return APIError(503, "the server is shutting down", code="shutting_down",
+                    kind="server_error", counted=counted)
+
+
 def failure(error: Exception) -> APIError:
     """The error of a job that ran (its outcome, "failed", is counted already): invalid options
     (a `ParameterError`) are the client's (400); anything else, a `ValueError` from deep inside
@@ -571,6 +550,8 @@ def failure(error: Exception) -> APIError:
         err = parameter_error(error)
         err.counted = True
         return err
+    if isinstance(error, ShuttingDown):
+        return shutting_down(counted=True)
     log.error("generation failed", exc_info=error)
     return APIError(500, INTERNAL, kind="server_error", code="generation_failed", counted=True)
 

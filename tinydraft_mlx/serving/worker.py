@@ -116,6 +116,13 @@ class WorkerDown(Exception):
     """The generation thread is not running: nothing submitted now would be served."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: a job that had not started (or ran past the grace) ends so."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
 class Worker:
     """The generation thread, its bounded queue (`max_queue` waiting jobs) and its prompt-cache
     pool (`cache_bytes`; caches bounded by `max_kv_size` when given). `bitwise`: every
@@ -143,6 +150,7 @@ class Worker:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._seconds = 1.0  # running mean of a job's duration, for Retry-After
         self._stopping = False
+        self._deadline: float | None = None  # shutting down: running jobs end by then
         self._thread = threading.Thread(target=self._run, name="tinydraft-generation",
                                         daemon=True)
 
@@ -165,14 +173,30 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue `job` (FIFO); QueueFull when `max_queue` jobs are already waiting, WorkerDown
-        when the generation thread is not running."""
+        when the generation thread is not running, ShuttingDown once `shutdown` began."""
         if not self.alive:
             raise WorkerDown("the generation thread is not running; restart the server")
+        if self._deadline is not None:
+            raise ShuttingDown()
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             wait = self._seconds * (self._queue.qsize() + 1)
             raise QueueFull(max(1, round(wait))) from None
+
+    def shutdown(self, grace: float) -> None:
+        """Begin stopping (from any thread): new jobs are refused, waiting ones end at once with
+        `Failed(ShuttingDown())`, running ones may finish within `grace` seconds and then end
+        the same way (a stream gets its error event instead of being cut)."""
+        self._deadline = time.monotonic() + max(0.0, grace)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self.counts["cancelled"] += 1
+                _deliver(job, Failed(ShuttingDown()))
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Cancel the waiting jobs and the running ones (each gets its `Done(cancelled=True)`
@@ -205,6 +229,10 @@ class Worker:
                 if not self.live:
                     continue
                 self.running = True
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    for uid in list(self.live):
+                        self._leave(decoder, uid, Failed(ShuttingDown()), "cancelled")
+                    continue
                 for uid in [u for u, live in self.live.items() if live.job.cancelled.is_set()]:
                     self._leave(decoder, uid, Done(self.live[uid].stats, cancelled=True),
                                 "cancelled")
@@ -255,6 +283,10 @@ class Worker:
         if job.cancelled.is_set():  # its client left while it waited
             job.deliver(Done(None, cancelled=True))
             self.counts["cancelled"] += 1
+            return
+        if self._deadline is not None:  # taken from the queue as the shutdown began
+            self.counts["cancelled"] += 1
+            _deliver(job, Failed(ShuttingDown()))
             return
         plan = prepare(self.target, job.draft, self.tokenizer, job.prompt, job.options)
         pc = self.pool.take(plan.ids)
