@@ -262,3 +262,35 @@ def test_k_defaults_to_auto_in_every_entry_point():
     assert cli.setup_arg_parser().parse_args([]).k == "auto"
     assert server.setup_arg_parser().parse_args([]).k == "auto"
     assert Defaults().k == "auto"
+
+
+def test_an_id_beyond_the_tokenizers_vocabulary_has_no_text(pair):
+    """The fixture target's logits are 64 ids wider than its tokenizer's 384 entries (as
+    Qwen2.5-7B's): a logit bias makes it emit id 400, which has no text: the reply's text is
+    the decoded text of the other tokens (mlx-lm's detokenizer alone prints "!" for it), and
+    its logprob entry has an empty token and no bytes."""
+    from tinydraft_mlx.generation.tokens import token_bytes, vocabulary_size
+    from tinydraft_mlx.serving.openai_schema import token_text
+
+    target, draft, tok = pair
+    assert vocabulary_size(tok) == 384
+    out = list(stream_generate(target, draft, tok, "def parse_args(", max_tokens=6, k=2,
+                               logit_bias={400: 30.0}))
+    ids = [r.token for r in out]
+    assert 400 in ids
+    assert "".join(r.text for r in out) == tok.decode([t for t in ids if t < 384])
+    assert "!" not in "".join(r.text for r in out)
+    assert token_text(tok, 400) == "" and token_bytes(tok, 400) == []
+
+
+@pytest.mark.parametrize("text", ["café — naïve ü", "東京 ok"])
+def test_token_bytes_are_each_tokens_own(demo, pair, text):
+    """A character split over several byte-level BPE tokens: each token's bytes are its own
+    (a partial UTF-8 sequence, not the replacement character's [239, 191, 189]), so the tokens'
+    bytes put together are the text's UTF-8, on both tokenizers."""
+    from tinydraft_mlx.generation.tokens import token_bytes
+
+    for tok in (demo[2], pair[2]):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any(tok.decode([t]) == "\ufffd" for t in ids)  # a token that is part of one
+        assert sum((token_bytes(tok, t) for t in ids), []) == list(text.encode())

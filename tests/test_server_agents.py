@@ -411,3 +411,33 @@ def test_metrics_move_as_requests_run(served):
     assert after["tinydraft_queue_depth", ()] == 0
     assert after["tinydraft_batch_size", ()] == 0
     assert after["tinydraft_prompt_cache_bytes", ()] > 0
+
+
+def test_refusals_are_counted_once_where_they_were_sent(served):
+    """A body over the limit is one rejected request of its endpoint whether its Content-Length
+    says so up front or it arrives chunked; a GET to a POST endpoint (405) is not a request of
+    that endpoint; an empty body is a 400 that says the body is empty."""
+    big = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i: i + (1 << 20)]
+
+    served.wait_idle()
+    before = scrape(served)
+    up_front = httpx.post(served.url + "/v1/completions", content=big, timeout=30,
+                          headers={"content-type": "application/json"})
+    chunked = httpx.post(served.url + "/v1/completions", content=chunks(), timeout=30,
+                         headers={"content-type": "application/json"})
+    wrong_method = httpx.get(served.url + "/v1/completions", timeout=10)
+    empty = httpx.post(served.url + "/v1/completions", content=b"", timeout=10,
+                       headers={"content-type": "application/json"})
+    after = scrape(served)
+    assert [r.status_code for r in (up_front, chunked, wrong_method, empty)] == \
+        [413, 413, 405, 400]
+    assert "body is empty" in empty.json()["error"]["message"]
+    key = ("tinydraft_requests_total", (("endpoint", "completions"), ("outcome", "rejected")))
+    assert after.get(key, 0.0) - before.get(key, 0.0) == 3  # both 413s and the empty body
+    other = [k for k in after if k[0] == "tinydraft_requests_total" and
+             ("endpoint", "/v1/completions") in k[1]]
+    assert not other, other

@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..engine.rounds import Token
 from ..engine.sampling import ParameterError
 from ..engine.stats import GenerationStats
+from .tokens import has_text, vocabulary_size
 
 Messages = Sequence[dict[str, Any]]
 
@@ -183,11 +184,12 @@ def responses(
     detok = tokenizer.detokenizer
     stop = StopStrings(stops)
     n, ids, started = 0, [], False
+    size = vocabulary_size(tokenizer)
     try:
         for token in steps:
             n += 1
             stats = token.stats
-            if token.id not in eos_ids:
+            if token.id not in eos_ids and has_text(tokenizer, token.id, size):
                 detok.add_token(token.id)
                 ids.append(token.id)
             finish = {"eos": "stop", "length": "length"}.get(token.finish_reason)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
@@ -56,13 +57,19 @@ def create_app(worker: Worker, model_name: str, defaults: Defaults | None = None
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="tinydraft-mlx", lifespan=lifespan)
-    app.add_middleware(RequestLimits, max_bytes=max_body_bytes, body_timeout=body_timeout)
+    def count(path: str, method: str, err: APIError) -> None:
+        """A refusal counts as a rejected request of a generating endpoint it was sent to (a
+        POST: another method is not a request of it), or of any path when it is a 503."""
+        endpoint = GENERATING.get(path) if method == "POST" else None
+        if not err.counted and (endpoint is not None and err.status < 500 or err.status == 503):
+            service.metrics.rejected(endpoint or path)
+
+    app.add_middleware(RequestLimits, max_bytes=max_body_bytes, body_timeout=body_timeout,
+                       count=count)
     app.state.service = service
 
     def answer(request: Request, err: APIError) -> JSONResponse:
-        endpoint = GENERATING.get(request.url.path)
-        if not err.counted and (endpoint is not None and err.status < 500 or err.status == 503):
-            service.metrics.rejected(endpoint or request.url.path)
+        count(request.url.path, request.method, err)
         return error_response(request.url.path, err)
 
     @app.exception_handler(APIError)
@@ -117,8 +124,10 @@ class RequestLimits:
     that has not fully arrived within `body_timeout` seconds gets 408. A body sent without a
     Content-Type is read as JSON (the only format the API takes)."""
 
-    def __init__(self, app: Any, max_bytes: int, body_timeout: float = BODY_TIMEOUT) -> None:
+    def __init__(self, app: Any, max_bytes: int, body_timeout: float = BODY_TIMEOUT,
+                 count: Callable[[str, str, APIError], None] | None = None) -> None:
         self.app, self.max_bytes, self.body_timeout = app, max_bytes, body_timeout
+        self.count = count  # (path, method, error): books a refusal answered here
 
     def _too_large(self) -> StarletteHTTPException:
         return StarletteHTTPException(413, f"the request body is larger than {self.max_bytes} "
@@ -133,9 +142,11 @@ class RequestLimits:
                                           (b"content-type", b"application/json")]}
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            err = self._too_large()
-            return await error_response(scope.get("path", ""), APIError(
-                413, err.detail, code="request_too_large"))(scope, receive, send)
+            path = scope.get("path", "")
+            err = APIError(413, self._too_large().detail, code="request_too_large")
+            if self.count is not None:
+                self.count(path, scope.get("method", ""), err)
+            return await error_response(path, err)(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout
         seen, complete = 0, False
@@ -166,6 +177,9 @@ _UNION_TAG = re.compile(r"str|int|float|bool|none|[a-z-]+\[.*\]")
 def _validation_error(err: RequestValidationError) -> APIError:
     """pydantic's first complaint as one sentence naming the field and the value."""
     first = err.errors()[0]
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        return bad(None, "the request body is empty: send a JSON object with the request's "
+                   "fields", code="invalid_json")
     if first.get("type") == "json_invalid":
         return bad(None, f"the request body is not valid JSON: {first.get('msg')}",
                     code="invalid_json")

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.stats import GenerationStats
+from ..generation.tokens import has_text, token_bytes
 from .tool_calls import ToolCall
 from .worker import Piece
 
@@ -190,7 +191,8 @@ def usage(stats: GenerationStats | None, prompt_tokens: int, completion_tokens: 
 
 
 def token_text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+    """A token's text alone ("" for an id beyond the tokenizer's vocabulary)."""
+    return tokenizer.decode([token]) if has_text(tokenizer, token) else ""
 
 
 def completion_logprobs(tokenizer: Any, pieces: list[Piece], offset: int) -> dict[str, Any]:
@@ -208,8 +210,8 @@ def completion_logprobs(tokenizer: Any, pieces: list[Piece], offset: int) -> dic
 
 
 def _entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
-    text = token_text(tokenizer, token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": token_text(tokenizer, token), "logprob": logprob,
+            "bytes": token_bytes(tokenizer, token)}
 
 
 def chat_logprobs(tokenizer: Any, pieces: list[Piece]) -> dict[str, Any]:
