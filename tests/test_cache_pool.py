@@ -13,11 +13,17 @@ from tinydraft_mlx.serving.cache_pool import PromptCachePool, common_prefix
 class Fake:
     """Stands in for a PromptCache: tokens, a size, and copy()."""
 
-    def __init__(self, tokens, nbytes=100, name=""):
+    def __init__(self, tokens, nbytes=100, name="", cut=True):
         self.tokens, self.nbytes, self.name, self.copied = list(tokens), nbytes, name, False
+        self.cut = cut  # False: as a recurrent target's, usable only up to its end
+
+    def usable(self, prompt):
+        """What a real PromptCache's `usable` answers: the target holds tokens[:-1]."""
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1, len(self.tokens) - 1)
+        return keep if self.cut or keep == len(self.tokens) - 1 else 0
 
     def copy(self):
-        clone = Fake(self.tokens, self.nbytes, self.name + "'")
+        clone = Fake(self.tokens, self.nbytes, self.name + "'", self.cut)
         clone.copied = True
         return clone
 
@@ -50,6 +56,28 @@ def test_a_partial_match_is_copied_and_the_original_stays():
     taken = p.take([1, 2, 7])
     assert taken is not a and taken.copied and taken.tokens == [1, 2, 3, 4]
     assert len(p) == 1 and p.take([1, 2, 3, 4, 5]) is a
+
+
+def test_a_longer_prefix_a_recurrent_cache_cannot_cut_back_to_loses():
+    """A recurrent target's cache after [1..6] shares 4 tokens with [1, 2, 3, 4, 7] but its
+    state cannot go back to 4 (it would prefill everything again); a cache sharing 3 that can
+    be cut back is taken instead. The same recurrent cache is the one taken for its own next
+    turn."""
+    p = pool()
+    recurrent = Fake([1, 2, 3, 4, 5, 6], name="recurrent", cut=False)
+    p.put(Fake([1, 2, 3, 9, 9], name="cuttable"))
+    p.put(recurrent)
+    assert p.take([1, 2, 3, 4, 7]).name == "cuttable'"
+    assert p.take([1, 2, 3, 4, 5, 6, 8]) is recurrent
+
+
+def test_a_real_prompt_cache_says_what_its_reuse_keeps(pair):
+    target, draft, tok = pair
+    pc = PromptCache(target, draft)
+    ids = tok.encode("def parse_args(self):")
+    generate(target, draft, tok, ids, max_tokens=4, prompt_cache=pc)
+    assert pc.usable(pc.tokens + [5]) == cache_length(pc.target_cache) == len(pc.tokens) - 1
+    assert pc.usable(ids[:3] + [7, 7]) == 3 and pc.usable([7]) == 0
 
 
 def test_eviction_is_least_recently_used_within_the_byte_budget():

@@ -153,6 +153,18 @@ class PromptCache:
         self.tokens = list(prompt[:keep])
         return cache_length(self.target_cache)
 
+    def usable(self, prompt: list[int]) -> int:
+        """The target tokens `reuse(prompt)` would keep: the common prefix (at most all but the
+        prompt's last token) where the target's cache can be cut back to it, else 0 (a
+        recurrent state after a longer sequence, a ring wrapped past its margin)."""
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(prompt) - 1, cache_length(self.target_cache))
+        return keep if _trimmable_to(self.target_cache, keep) else 0
+
     def copy(self) -> PromptCache:
         """An independent copy (both caches' arrays are copied): reusing or extending it never
         changes this one."""

@@ -52,18 +52,21 @@ class PromptCachePool:
         return sum(pc.nbytes for pc in self._entries.values())
 
     def take(self, prompt: Sequence[int]) -> PromptCache:
-        """The cache to generate `prompt` with: the pooled one sharing the longest prefix with it
-        (taken out when all its tokens match, else copied), or a new one when none shares a
-        token. Reusing it (`PromptCache.reuse`) is the caller's job, as with any prompt cache."""
-        best, best_len = None, 0
+        """The cache to generate `prompt` with: the pooled one whose reuse keeps the most of it
+        (`PromptCache.usable`: a longer shared prefix that the target's cache cannot be cut back
+        to, as a recurrent state's, keeps nothing), taken out when all its tokens match, else
+        copied; a new one when none keeps a token. Reusing it (`PromptCache.reuse`) is the
+        caller's job, as with any prompt cache."""
+        best, best_score = None, (0, False)
         for key, pc in self._entries.items():
-            n = common_prefix(pc.tokens, prompt)
-            if n > best_len:
-                best, best_len = key, n
+            whole = common_prefix(pc.tokens, prompt) == len(pc.tokens)
+            score = (pc.usable(prompt), whole)  # a tie: the conversation's own next turn
+            if score > best_score:
+                best, best_score = key, score
         if best is None:
             return self.new()
         pc = self._entries[best]
-        if best_len == len(pc.tokens):
+        if best_score[1]:
             del self._entries[best]
             return pc
         self._entries.move_to_end(best)
