@@ -110,6 +110,7 @@ def head_costs() -> dict:
     from mlx_lm.models import llama
 
     from tinydraft_mlx.engine import hidden
+    from tinydraft_mlx.engine.drafters import resolve_drafter
     from tinydraft_mlx.engine.eagle import Eagle3Head
     from tinydraft_mlx.engine.mtp import MtpHead, attach, attention_layer
     from tinydraft_mlx.generation.loading import load_model
@@ -137,8 +138,9 @@ def head_costs() -> dict:
     out = {"machine": machine(), "target": str(hybrid_models.TARGET.name),
            "target_layers": depth, "vocab": args.vocab_size, "prompt": len(ids), "repeats": 20}
     for name, model in (("target", target), ("mtp", mtp), ("eagle3", eagle)):
-        forward_ms(model, ids, 1, 3)  # warm-up
-        out[f"{name}_ms"] = round(forward_ms(model, ids, 1, 20), 3)
+        drafter = None if model is target else resolve_drafter(model, target=target)
+        forward_ms(model, ids, 1, 3, drafter=drafter)  # warm-up
+        out[f"{name}_ms"] = round(forward_ms(model, ids, 1, 20, drafter=drafter), 3)
     out["mtp_vs_target"] = round(out["mtp_ms"] / out["target_ms"], 3)
     out["eagle3_vs_target"] = round(out["eagle3_ms"] / out["target_ms"], 3)
     return out

@@ -173,3 +173,24 @@ def demo_oracle():
     from tinydraft_mlx.generation.loading import DEMO_DIR
 
     return Oracle(DEMO_DIR / "target")
+
+
+@pytest.fixture(scope="session")
+def eagle(tmp_path_factory):
+    """A tiny Qwen3 target with every kind of drafter (tests/fixtures.py): (target dir, eagle
+    dir, (target, EAGLE-3 head, tokenizer), draft model (64 ids narrower), [(ids, oracle
+    greedy)] of the heads' prompts, oracle); the target's MTP layer is attached too."""
+    from tests.fixtures import HEAD_PROMPTS, build_family_pair, write_eagle3, write_mtp
+    from tests.oracle import Oracle
+    from tinydraft_mlx import load_head, load_models
+
+    root = tmp_path_factory.mktemp("eagle")
+    target_dir, draft_dir = build_family_pair(root, "qwen3")
+    write_mtp(target_dir, "qwen3")
+    eagle_dir = write_eagle3(target_dir, root / "eagle3")
+    target, head, tok = load_models(str(target_dir), str(eagle_dir), dtype="float32")
+    load_head(target, target_dir)  # the MTP layer beside it
+    _, draft, _ = load_models(str(target_dir), str(draft_dir), dtype="float32")
+    oracle = Oracle(target_dir)
+    refs = oracle.references(tok, HEAD_PROMPTS, 24, 1e-3, "eagle")
+    return target_dir, eagle_dir, (target, head, tok), draft, refs, oracle

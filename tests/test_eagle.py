@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.fixtures import EAGLE_LAYERS, HEAD_PROMPTS, build_family_pair, write_eagle3, write_mtp
+from tests.fixtures import EAGLE_LAYERS, HEAD_PROMPTS
 from tests.reference import check_first_two_in_batches, drain, two_step_joint
 from tinydraft_mlx import (
     BatchDecoder,
@@ -35,7 +35,6 @@ from tinydraft_mlx import (
     SamplingParams,
     batch_generate,
     generate,
-    load_head,
     load_models,
 )
 from tinydraft_mlx.engine.chains import HeadChain
@@ -46,24 +45,6 @@ pytestmark = pytest.mark.usefixtures("cpu_fp32")
 PROMPTS = HEAD_PROMPTS
 NEW = 24
 MIN_MARGIN = 1e-3
-
-
-@pytest.fixture(scope="module")
-def eagle(tmp_path_factory):
-    """(target dir, eagle dir, (target, head, tokenizer), draft model, [(ids, oracle greedy)],
-    oracle); the target's MTP layer is attached too."""
-    from tests.oracle import Oracle
-
-    root = tmp_path_factory.mktemp("eagle")
-    target_dir, draft_dir = build_family_pair(root, "qwen3")
-    write_mtp(target_dir, "qwen3")
-    eagle_dir = write_eagle3(target_dir, root / "eagle3")
-    target, head, tok = load_models(str(target_dir), str(eagle_dir), dtype="float32")
-    load_head(target, target_dir)  # the MTP layer beside it
-    _, draft, _ = load_models(str(target_dir), str(draft_dir), dtype="float32")
-    oracle = Oracle(target_dir)
-    refs = oracle.references(tok, PROMPTS, NEW, MIN_MARGIN, "eagle")
-    return target_dir, eagle_dir, (target, head, tok), draft, refs, oracle
 
 
 def _reference(eagle_dir, target_dir, oracle, ids):

@@ -238,7 +238,7 @@ BAD_CALLS = [
     (dict(k=0), "k must be an integer in [1, 64]"),
     (dict(k=65), 'k must be an integer in [1, 64] or "auto"'),
     (dict(k="automatic"), 'k must be an integer in [1, 64] or "auto" (got \'automatic\')'),
-    (dict(draft="lookup"), 'draft must be a model, "prompt-lookup", a Hybrid, "none" or None'),
+    (dict(draft="lookup"), 'draft must be a model, a registered name (none, prompt-lookup, '),
     (dict(k=2.0), "k must be an integer"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(temperature=-1.0), "temperature must be 0 (greedy) or in [1e-06, 1e+06] (got -1.0)"),

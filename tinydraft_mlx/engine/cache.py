@@ -106,6 +106,25 @@ def reachable(cache: Cache, keep: int) -> bool:
     return room is None or cache_length(cache) - keep <= room
 
 
+def can_cut(cache: Cache, n: int) -> bool:
+    """Whether `cut(cache, n)` keeps it usable: a cache that fits itself to a target's prefix
+    (`keep_prefix`, a head's) always can (it starts anew where it read past n); layers where
+    they roll back that far."""
+    return callable(getattr(cache, "keep_prefix", None)) or reachable(cache, n)
+
+
+def cut(cache: Cache, n: int) -> None:
+    """Make a one-sequence cache fit a target cache holding the first `n` tokens (check
+    `can_cut` first): its own `keep_prefix(n)` where it has one (emptied where that cannot be
+    done), else its layers rolled back to at most n tokens."""
+    keep_prefix = getattr(cache, "keep_prefix", None)
+    if callable(keep_prefix):
+        if not keep_prefix(n):
+            cache.clear()
+        return
+    rollback(cache, n)
+
+
 def slot_positions(end: int | mx.array, keep: int, ring: int) -> mx.array:
     """(keep + ring,) the absolute position each slot of a `RollbackRotatingKVCache` holds once
     positions [0, end) are written (`end` an int or an int32 scalar array); -1 for an empty

@@ -60,6 +60,15 @@ class Chain:
         prefill(self.model, cache, todo[:budget])
         return min(len(todo), budget), len(todo) <= budget
 
+    def ready(self, uid: int) -> bool:
+        """Whether the row can draft this round."""
+        return True
+
+    def release(self, row: Any, cache: Cache) -> Cache | None:
+        """A row that leaves before joining: its one-sequence cache cut to seq[:-1]."""
+        rollback(cache, len(row.seq) - 1)
+        return cache
+
     def join(self, rows: list[Any], caches: list[Cache]) -> None:
         self.caches.add(caches)
         self.uids += [r.uid for r in rows]
@@ -246,6 +255,11 @@ class HeadCache(list):
         self.states = [pending[:cut]] if cut else []
         return True
 
+    def with_layers(self, layers: Any) -> HeadCache:
+        """A copy holding `layers` (copies of this one's) and the same unread states (never
+        updated in place: shared)."""
+        return HeadCache(layers, self.skip, self.states)
+
     def clear(self) -> None:
         """Forget everything (its layers emptied in place)."""
         rollback(self, 0)
@@ -302,6 +316,16 @@ class HeadChain(Chain):
             mx.eval([layer.state for layer in cache])
         feed.states = [pending[todo:]] if todo < available else []
         return 0, True
+
+    def release(self, row: Any, cache: Cache) -> Cache | None:
+        """A row that leaves before joining: what its prefill fed the head was read from the
+        chain's feed, which goes; its cache is emptied (it starts anew)."""
+        self.feeds.pop(row.uid, None)
+        if isinstance(cache, HeadCache):
+            cache.clear()
+        else:
+            rollback(cache, 0)
+        return cache
 
     def leave(self, rows: list[Any]) -> dict[int, Cache]:
         """Rows out; a row that keeps its caches (`keep_caches`) leaves its head's cache with

@@ -26,9 +26,11 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import Cache
-from .chains import Chain, HeadChain, ModelChain
-from .hidden import StateHead
+from .cache import Cache, cache_length, make_cache
+from .chains import Chain, HeadCache, HeadChain, ModelChain
+from .eagle import EAGLE3
+from .forward import prefill
+from .hidden import StateHead, watch
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, NgramIndex, PromptLookup
 from .mtp import MTP, head_of
 from .policy_store import fingerprint
@@ -38,40 +40,105 @@ MODEL = "model"
 HYBRID = "hybrid"
 
 
+@dataclass(frozen=True)
+class HostProposal:
+    """A proposal made on the host with the distribution it was drawn from: `tokens` (k ids)
+    and `q`, (k, Vq) with row i the distribution token i was sampled from (a drafter that
+    proposes deterministically returns plain ids instead: point masses)."""
+
+    tokens: list[int]
+    q: mx.array
+
+
 class Source(Protocol):
-    """One sequence's draft source (see the module docstring)."""
+    """The drafter protocol: one sequence's drafter, everything the round, the forward, prompt
+    caches, batches, the server and the check tool ask of it (they never test its type).
+
+    - `name`: how stats, metrics and the server name it; `drafts`: False for plain decoding;
+      `policy_key`: what k="auto" keeps its learning under.
+    - Proposing: `begin(seq)` once the row joins (seq grows in place); each round
+      `host_proposal(k)`: ids proposed on the host (or a `HostProposal` with its q), or None
+      where its model's batched chain drafts the row; `settle(keep)` ends the round (the first
+      `keep` tokens of the sequence are accepted).
+    - Its model (`model`, None for a host-only drafter): `chain(caches, chunk, width)` makes the
+      batch's chain for it (chains.py); `attach(target)` checks that it may draft for `target`
+      and prepares it; `reads_target`: whether its chain reads the target's states (the verify
+      and the prefill then capture them).
+    - Its one-sequence cache: `row_cache(given, max_kv_size, margin)` (None without a model);
+      `cache_in_file`: whether a prompt cache file keeps it (else a loaded one starts anew).
+    - The check tool: `first_logits(ids)` its logits for the token after `ids` (None without a
+      model); `prime(cache, ids)` fills a fresh cache with what precedes one step after `ids`
+      and returns that step's extra inputs.
+    """
 
     name: str
-    drafts: bool  # False: plain decoding
-    model: nn.Module | None  # the draft model whose cache the batch keeps for this row
-    policy_key: object  # what k="auto" keeps its learning under
+    drafts: bool
+    model: nn.Module | None
+    policy_key: object
+    reads_target: bool
+    cache_in_file: bool
 
     def begin(self, seq: list[int]) -> None: ...
 
-    def host_proposal(self, k: int) -> list[int] | None: ...
+    def host_proposal(self, k: int) -> list[int] | HostProposal | None: ...
 
     def settle(self, keep: int) -> None: ...
 
+    def attach(self, target: nn.Module) -> None: ...
 
-class NoDraft:
-    """Plain decoding: nothing is ever proposed."""
+    def chain(self, caches: Any, chunk: int, width: int | None) -> Chain: ...
 
-    name, drafts, model, policy_key = NO_DRAFT, False, None, None
+    def row_cache(self, given: Cache | None, max_kv_size: int | None,
+                  margin: int) -> Cache | None: ...
+
+    def first_logits(self, ids: list[int]) -> mx.array | None: ...
+
+    def prime(self, cache: Cache, ids: list[int]) -> dict[str, mx.array]: ...
+
+
+class HostDrafter:
+    """What a drafter without a model answers (a base for host-only drafters: prompt lookup,
+    plain decoding, and plug-ins that propose on the host): no chain, no cache."""
+
+    name, drafts, model, policy_key = "host", True, None, None
+    reads_target, cache_in_file = False, True
 
     def begin(self, seq: list[int]) -> None:
         pass
 
-    def host_proposal(self, k: int) -> list[int] | None:
+    def host_proposal(self, k: int) -> list[int] | HostProposal | None:
         return []
 
     def settle(self, keep: int) -> None:
         pass
 
+    def attach(self, target: nn.Module) -> None:
+        pass
+
+    def chain(self, caches: Any, chunk: int, width: int | None) -> Chain:
+        raise ValueError(f"{self.name} drafts on the host: it has no chain")
+
+    def row_cache(self, given: Cache | None, max_kv_size: int | None,
+                  margin: int) -> Cache | None:
+        return None
+
+    def first_logits(self, ids: list[int]) -> mx.array | None:
+        return None
+
+    def prime(self, cache: Cache, ids: list[int]) -> dict[str, mx.array]:
+        return {}
+
+
+class NoDraft(HostDrafter):
+    """Plain decoding: nothing is ever proposed."""
+
+    name, drafts = NO_DRAFT, False
+
 
 class ModelDraft:
     """A draft model: the batch's chain of draft steps drafts this row every round."""
 
-    name, drafts = MODEL, True
+    name, drafts, reads_target, cache_in_file = MODEL, True, False, True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = self.policy_key = model
@@ -79,28 +146,80 @@ class ModelDraft:
     def begin(self, seq: list[int]) -> None:
         pass
 
-    def host_proposal(self, k: int) -> list[int] | None:
+    def host_proposal(self, k: int) -> list[int] | HostProposal | None:
         return None
 
     def settle(self, keep: int) -> None:
         pass
 
+    def attach(self, target: nn.Module) -> None:
+        pass
+
+    def chain(self, caches: Any, chunk: int, width: int | None) -> Chain:
+        return ModelChain(self.model, caches, chunk, width)
+
+    def row_cache(self, given: Cache | None, max_kv_size: int | None,
+                  margin: int) -> Cache | None:
+        return given if given is not None else make_cache(self.model, max_kv_size, margin)
+
+    def first_logits(self, ids: list[int]) -> mx.array | None:
+        return self.model(mx.array([ids]))[0, -1]
+
+    def prime(self, cache: Cache, ids: list[int]) -> dict[str, mx.array]:
+        prefill(self.model, cache, ids)
+        return {}
+
 
 class HeadDraft(ModelDraft):
     """A head that reads the target's states (the target's own MTP layer, mtp.py; an EAGLE-3
-    head, eagle.py): drafted by the batch's chain of that head every round."""
+    head, eagle.py): drafted by the batch's chain of that head every round. Its cache pairs
+    with the target states it has not read yet (`HeadCache`), which a prompt cache file does
+    not hold: a loaded prompt cache's head starts anew."""
+
+    reads_target, cache_in_file = True, False
 
     def __init__(self, model: StateHead) -> None:
         super().__init__(model)
         self.name = model.kind
 
+    def attach(self, target: nn.Module) -> None:
+        """ParameterError unless the head reads `target`; its states made capturable."""
+        if self.model.target is not target:
+            raise ParameterError("draft", "a head of this decoder's target", "another model's")
+        watch(target, getattr(self.model, "after", ()))
 
-class LookupDraft:
+    def chain(self, caches: Any, chunk: int, width: int | None) -> Chain:
+        return HeadChain(self.model, caches, chunk, width)
+
+    def row_cache(self, given: Cache | None, max_kv_size: int | None,
+                  margin: int) -> Cache | None:
+        """A prompt cache's `HeadCache` as it is; an empty cache of its layers (a caller's,
+        bounded as it chose) wrapped; else a new one."""
+        if isinstance(given, HeadCache):
+            return given
+        if given is not None and cache_length(given) == 0:
+            return HeadCache(given)
+        return HeadCache(make_cache(self.model, max_kv_size, margin))
+
+    def first_logits(self, ids: list[int]) -> mx.array | None:
+        """Its logits after `ids`, reading the target's state before the last token."""
+        states = self.model.target_states(ids)
+        logits, _ = self.model(mx.array([ids[1:]]), None, hidden=states[:, :-1])
+        return logits[0, -1]
+
+    def prime(self, cache: Cache, ids: list[int]) -> dict[str, mx.array]:
+        """Its cache from the target's states of `ids`; the next step reads the last one."""
+        states = self.model.target_states(ids)
+        mx.eval(self.model(mx.array([ids[1:]]), cache, hidden=states[:, :-1]))
+        return {"hidden": states[:, -1:]}
+
+
+class LookupDraft(HostDrafter):
     """Prompt lookup: the continuation of the latest earlier occurrence of the current suffix,
     from an n-gram index of the sequence (no model, no cache). A deterministic proposal: its q is
     the point mass on each proposed token."""
 
-    name, drafts, model = PROMPT_LOOKUP, True, None
+    name = PROMPT_LOOKUP
 
     def __init__(self, settings: PromptLookup) -> None:
         self.settings = settings
@@ -110,11 +229,8 @@ class LookupDraft:
     def begin(self, seq: list[int]) -> None:
         self.index = self.settings.index(seq)
 
-    def host_proposal(self, k: int) -> list[int] | None:
+    def host_proposal(self, k: int) -> list[int] | HostProposal | None:
         return self.index.propose(k) if k else []
-
-    def settle(self, keep: int) -> None:
-        pass  # the index reads the sequence itself
 
 
 class Hybrid:
@@ -165,6 +281,9 @@ class HybridDraft:
 
     def __init__(self, hybrid: Hybrid) -> None:
         self.model = hybrid.model
+        self.drafter = resolve_drafter(hybrid.model)  # a draft model's or a head's
+        self.reads_target = self.drafter.reads_target
+        self.cache_in_file = self.drafter.cache_in_file
         self.lookup = LookupDraft(hybrid.lookup)
         # a string (as a model-free drafter's), stable across processes for the policy file
         self.policy_key = f"{HYBRID}:{fingerprint(hybrid.model)}:{hybrid.lookup!r}"
@@ -206,56 +325,121 @@ class HybridDraft:
             self.recent[self._source].update(accepted + 1, time.perf_counter() - self._began)
             self._source = None
 
+    # its model's side is the model's (or head's) own drafter's
+    def attach(self, target: nn.Module) -> None:
+        self.drafter.attach(target)
+
+    def chain(self, caches: Any, chunk: int, width: int | None) -> Chain:
+        return self.drafter.chain(caches, chunk, width)
+
+    def row_cache(self, given: Cache | None, max_kv_size: int | None,
+                  margin: int) -> Cache | None:
+        return self.drafter.row_cache(given, max_kv_size, margin)
+
+    def first_logits(self, ids: list[int]) -> mx.array | None:
+        return self.drafter.first_logits(ids)
+
+    def prime(self, cache: Cache, ids: list[int]) -> dict[str, mx.array]:
+        return self.drafter.prime(cache, ids)
+
+
+Maker = Callable[[Any, Any], "Source | None"]  # (draft model, target) -> a source, or None
+_NAMED: dict[str, Maker] = {}
+
+
+def register_drafter(name: str, make: Maker) -> None:
+    """Name a drafter: `draft=name` (the API, batches, the server's `draft` field) then resolves
+    to `make(model, target)`, a fresh `Source` for one sequence (model: the batch's or server's
+    draft model, or None; target: the target model), or None where these models cannot draft
+    that way. The server offers every name its models can draft with; the exactness tests run
+    over every registered name."""
+    if not isinstance(name, str) or not name or name != name.strip().lower():
+        raise ParameterError("name", "a non-empty lower-case string", name)
+    _NAMED[name] = make
+
+
+def unregister_drafter(name: str) -> None:
+    """Forget a name given with `register_drafter` (KeyError for an unknown one)."""
+    del _NAMED[name]
+
+
+def registered_drafters() -> list[str]:
+    """Every drafter name, in the order they were registered."""
+    return list(_NAMED)
+
+
+def drafter_names(model: Any = None, target: Any = None) -> list[str]:
+    """The names these models can draft with (`model`: a draft model or a head, or None)."""
+    return [name for name, make in _NAMED.items() if make(model, target) is not None]
+
+
+def _head(model: Any) -> HeadDraft | None:
+    return HeadDraft(model) if isinstance(model, StateHead) else None
+
+
+def _model(model: Any) -> Source | None:
+    """A draft model's source (a head's, where the batch's draft is one)."""
+    return None if model is None else _head(model) or ModelDraft(model)
+
+
+register_drafter(NO_DRAFT, lambda model, target: NoDraft())
+register_drafter(PROMPT_LOOKUP, lambda model, target: LookupDraft(PromptLookup()))
+register_drafter(MODEL, lambda model, target: _model(model))
+register_drafter(HYBRID, lambda model, target: None if model is None and head_of(target) is None
+                 else HybridDraft(Hybrid(model if model is not None else head_of(target))))
+register_drafter(MTP, lambda model, target: _head(head_of(target)))
+register_drafter(EAGLE3, lambda model, target: _head(model) if getattr(model, "kind", None)
+                 == EAGLE3 else None)
+
 
 def resolve_drafter(draft: object, model: nn.Module | None = None,
                     target: nn.Module | None = None) -> Source:
-    """The source for a `draft` argument: a model, a head (`MtpHead`, `Eagle3Head`),
-    "prompt-lookup" or a `PromptLookup`, a `Hybrid`, None or "none" (plain decoding), or a
-    source already resolved (returned as it is); with a batch's draft `model`, also "model" and
-    "hybrid" (that model, alone or with prompt lookup); with a `target` whose MTP head is loaded
-    (mtp.load_mtp), also "mtp". ParameterError for anything else."""
-    if isinstance(draft, str) and draft.lower() == MTP:
-        head = head_of(target)
-        if head is None:
-            raise ParameterError("draft", '"mtp" with a target whose MTP layer is loaded '
-                                 '(load_models(draft="mtp"))', draft)
-        return HeadDraft(head)
-    if isinstance(draft, StateHead):
-        return HeadDraft(draft)
-    if isinstance(draft, str) and draft in (MODEL, HYBRID):
-        if model is None:
-            raise ParameterError("draft", f'not "{draft}" in a decoder without a draft model',
-                                 draft)
-        return ModelDraft(model) if draft == MODEL else HybridDraft(Hybrid(model))
+    """The source for a `draft` argument: None (plain decoding), a registered name
+    (`registered_drafters()`: "none", "prompt-lookup", "model", "hybrid", "mtp", "eagle3" and
+    plug-ins; "model" and "hybrid" use `model`, the batch's draft model, "mtp" the MTP layer
+    attached to `target`), a model or a head, a `PromptLookup`, a `Hybrid`, a plug-in drafter
+    (an object whose `source()` makes a fresh `Source`), or a source already resolved (returned
+    as it is). ParameterError for anything else."""
+    allowed = f'a model, a registered name ({", ".join(_NAMED)}), a Hybrid, a PromptLookup or None'
     if draft is None:
         return NoDraft()
+    if isinstance(draft, str):
+        make = _NAMED.get(draft.lower())
+        if make is None:
+            raise ParameterError("draft", allowed, draft)
+        source = make(model, target)
+        if source is not None:
+            return source
+        if draft.lower() in (MODEL, HYBRID):
+            raise ParameterError("draft", f'not "{draft}" in a decoder without a draft model',
+                                 draft)
+        if draft.lower() == MTP:
+            raise ParameterError("draft", '"mtp" with a target whose MTP layer is loaded '
+                                 '(load_models(draft="mtp"))', draft)
+        raise ParameterError("draft", f'"{draft}" with models that can draft so', draft)
     if isinstance(draft, (NoDraft, ModelDraft, LookupDraft, HybridDraft)):
         return draft
+    if callable(getattr(draft, "source", None)):  # a plug-in drafter
+        return draft.source()
+    if all(callable(getattr(draft, name, None)) for name in ("host_proposal", "settle")):
+        return draft  # a plug-in's source itself
     if isinstance(draft, PromptLookup):
         return LookupDraft(draft)
     if isinstance(draft, Hybrid):
         return HybridDraft(draft)
-    if isinstance(draft, str):
-        if draft.lower() == NO_DRAFT:
-            return NoDraft()
-        if draft.lower() == PROMPT_LOOKUP:
-            return LookupDraft(PromptLookup())
-        raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", a Hybrid, "{NO_DRAFT}" or None',
-                             draft)
     if callable(draft):  # a model: anything mlx-lm-like, model(tokens, cache=...) -> logits
-        return ModelDraft(draft)
-    raise ParameterError("draft", f'a model, "{PROMPT_LOOKUP}", a Hybrid, "{NO_DRAFT}" or None',
-                         type(draft).__name__)
+        return _model(draft)
+    raise ParameterError("draft", allowed, type(draft).__name__)
 
 
-def draft_model(draft: object) -> nn.Module | None:
+def draft_model(draft: object, target: nn.Module | None = None) -> nn.Module | None:
     """The draft model behind a `draft` argument whose cache a caller may keep: None for prompt
     lookup, plain decoding and a head of the target (its cache goes with the target states it
     has not read: chains.HeadCache)."""
-    if isinstance(draft, str) and draft.lower() == MTP:
+    if isinstance(draft, str) and draft.lower() in (MTP, EAGLE3):
         return None
-    model = resolve_drafter(draft).model
-    return None if isinstance(model, StateHead) else model
+    source = resolve_drafter(draft, target=target)
+    return None if source.reads_target else source.model
 
 
 def point_mass(tokens: mx.array, width: int) -> mx.array:
@@ -326,45 +510,37 @@ class Proposals:
 
 
 class Drafting:
-    """The batch's proposer (see the module docstring). `model`: the draft model every row with
-    a model-backed source uses (None: none); `heads`: heads of the target (more may be added:
-    `add_head`);
-    `rows`: a function making an empty rows cache for a model (a `BatchCache` or a
-    `SingleCache`); `chunk`: the most tokens a catch-up feeds per forward; `width`: the target's
-    vocabulary width (processors know its ids)."""
+    """The batch's proposer (see the module docstring): one chain per drafting model, made by
+    the first source that drafts with it (`add`). `rows`: a function making an empty rows cache
+    for a model (a `BatchCache` or a `SingleCache`); `chunk`: the most tokens a catch-up feeds
+    per forward; `width`: the target's vocabulary width (processors know its ids)."""
 
-    def __init__(self, model: nn.Module | None, heads: list[StateHead],
-                 rows: Callable[[nn.Module], Any], chunk: int, width: int | None) -> None:
+    def __init__(self, rows: Callable[[nn.Module], Any], chunk: int,
+                 width: int | None) -> None:
         self.chains: dict[int, Chain] = {}
         self.rows, self.chunk, self.width = rows, chunk, width
-        if model is not None:
-            self.chains[id(model)] = ModelChain(model, rows(model), chunk, width)
-        for head in heads:
-            self.add_head(head)
 
     def has(self, model: nn.Module) -> bool:
         """Whether a chain drafts with `model`."""
         return id(model) in self.chains
 
-    def add_head(self, head: StateHead) -> None:
-        """A chain for `head` (a head of the batch's target), for the rows that draft with it."""
-        if id(head) not in self.chains:
-            self.chains[id(head)] = HeadChain(head, self.rows(head), self.chunk, self.width)
+    def add(self, source: Source, target: nn.Module) -> None:
+        """A chain for `source`'s model, if the batch has none yet (the source attached to
+        `target` first: ParameterError where it cannot draft for it)."""
+        if source.model is not None and id(source.model) not in self.chains:
+            source.attach(target)
+            self.chains[id(source.model)] = source.chain(self.rows(source.model), self.chunk,
+                                                         self.width)
 
     def caches(self) -> list[Any]:
         """Every chain's rows cache."""
         return [chain.caches for chain in self.chains.values()]
 
-    def reads_states(self, rows: list[Any]) -> bool:
+    @staticmethod
+    def reads_target(rows: list[Any]) -> bool:
         """Whether a row among `rows` drafts from the target's states (its verify and prefill
         must capture them)."""
-        return any(isinstance(r.source.model, StateHead) for r in rows)
-
-    def check(self, source: Source) -> None:
-        """ParameterError unless this batch can draft for `source`."""
-        if source.model is not None and id(source.model) not in self.chains:
-            raise ParameterError("draft", "the batch's draft model, a head of its target, "
-                                 "prompt lookup or None", type(source.model).__name__)
+        return any(r.source.reads_target for r in rows)
 
     def admit(self, row: Any, cache: Cache | None, budget: int | None,
               seen: list = (), start: int = 0) -> tuple[int, bool]:
@@ -374,6 +550,13 @@ class Drafting:
         if row.source.model is None or cache is None:
             return 0, True
         return self.chains[id(row.source.model)].admit(row, cache, budget, list(seen), start)
+
+    def release(self, row: Any, cache: Cache | None) -> Cache | None:
+        """A row that leaves before joining (its prompt not all in): its one-sequence draft
+        cache as it may be kept (None: none), and whatever its chain held for it dropped."""
+        if row.source.model is None or cache is None:
+            return None
+        return self.chains[id(row.source.model)].release(row, cache)
 
     def join(self, rows: list[Any], caches: list[Cache | None]) -> None:
         """Rows enter the batch (after the target's rows), with their draft caches."""
@@ -398,14 +581,17 @@ class Drafting:
         offer fewer). Rows carry `seq`, `source`, `sampling`, `processors`, `uid` and
         `draft_key` (this round's, None when greedy). Each chain a row of this round needs runs
         once for all of its rows; the chains' ids are stacked into one array."""
-        host = [r.source.host_proposal(k) if k else [] for r, k in zip(rows, ks)]
-        for b, (row, h) in enumerate(zip(rows, host)):
-            chain = self.chains.get(id(row.source.model)) if h is None else None
-            if isinstance(chain, HeadChain) and not chain.ready(row.uid):
-                host[b] = []  # no target state yet (its whole prompt came cached): a plain round
+        host: list[list[int] | None] = []
+        q: list[mx.array | None] = [None] * len(rows)
+        for b, (row, k) in enumerate(zip(rows, ks)):
+            h = row.source.host_proposal(k) if k else []
+            if h is not None and not isinstance(h, list):  # a HostProposal: ids with their q
+                h, q[b] = list(h.tokens), (h.q[: len(h.tokens)] if h.tokens else None)
+            if h is None and not self.chains[id(row.source.model)].ready(row.uid):
+                h = []  # nothing to draft from yet (a head's whole prompt came cached)
+            host.append(h)
         ks = [k if h is None else len(h) for h, k in zip(host, ks)]
         chain_rows: list[int | None] = [None] * len(rows)
-        q: list[mx.array | None] = [None] * len(rows)
         parts: list[mx.array] = []
         needed = {id(r.source.model) for r, h in zip(rows, host) if h is None}
         at = 0

@@ -169,13 +169,14 @@ def _compiled(model: Any) -> _Compiled | None:
     if not isinstance(model, nn.Module):
         return None
     states = model.__dict__.setdefault(_STATE, {})
-    kernels = model.__dict__.get(_KERNELS)
-    state = states.get(kernels)
+    # a step records the states watched when it traced: one per set of watched modules too
+    key = (model.__dict__.get(_KERNELS), hidden.watched(model))
+    state = states.get(key)
     if state is None:
-        head = isinstance(model, hidden.StateHead)  # its layer is of its target's kind
-        body = model.target if head else model
+        inputs = tuple(getattr(model, "step_inputs", ()))  # a head's states beside its ids
+        body = getattr(model, "target", model) if inputs else model  # a head: its target's kind
         ok = _model_type(body) in SUPPORTED and ranks_of(body) is None
-        state = states[kernels] = _Compiled(model, ("hidden",) if head else ()) if ok else False
+        state = states[key] = _Compiled(model, inputs) if ok else False
     return state or None
 
 

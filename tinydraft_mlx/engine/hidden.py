@@ -8,8 +8,12 @@ layer i, the output of layer i - 1). `watch(model, after=...)` swaps those modul
 once, for subclasses that append (tag, output) to the list of the `capture()` open on this
 thread (outside one they are pass-throughs), so every forward path (the eager one, the compiled
 step, the chunked prefill, a batch's forward) yields them without a second copy of mlx-lm's
-model code. A compiled step records inside its trace and returns the states as more outputs
-(forward.py), so a model's traces are dropped whenever what it records changes.
+model code. Why a class swap and not a wrapper module: the watched modules sit inside
+mlx-lm's model tree, and a wrapper would change their parameter paths (what loading, saving,
+quantization predicates and `model.update` address) and their identity for code that holds
+them; the subclass keeps both and only adds the recording after `__call__`. A compiled step
+records inside its trace and returns the states as more outputs (forward.py), its traces keyed
+by the set of watched modules (`watched`), so a `watch` never needs to reach up into it.
 
 `StateHead` is what such a drafter is: a module over its target, called as a draft model is but
 with the states beside the ids (`head(tokens, cache, hidden=states)` -> (logits over the
@@ -101,10 +105,13 @@ def watch(model: nn.Module, after: tuple[int, ...] = ()) -> bool:
         module = norm if tag == FINAL else layers[tag[1]]
         module.__class__ = _recording(type(module), tag)
     done |= tags
-    from . import forward  # a compiled step traced before now would not record these
-
-    forward.reset(model)
     return True
+
+
+def watched(model: nn.Module) -> frozenset:
+    """The tags `model` records (none where it was never watched): a compiled step keys its
+    traces by them (forward.py), so a step traced before a `watch` is not reused after it."""
+    return frozenset(model.__dict__.get(_WATCHED, ()))
 
 
 @contextmanager
@@ -139,9 +146,11 @@ def gathered(seen: Seen, tag: Any) -> list[mx.array]:
 
 class StateHead(nn.Module):
     """A drafter that reads its target's states (see the module docstring). Subclasses set
-    `kind` (its drafter name) and implement `__call__`, `read` and `make_cache`."""
+    `kind` (its drafter name) and implement `__call__`, `read` and `make_cache`.
+    `step_inputs`: its keyword inputs beside the ids (a compiled step takes them as inputs)."""
 
     kind = "head"
+    step_inputs = ("hidden",)
 
     def __init__(self, target: nn.Module) -> None:
         super().__init__()

@@ -82,7 +82,9 @@ def model_kind(model: nn.Module) -> str | None:
 
 def prepare(model: nn.Module) -> int:
     """Make the model's recurrent layers observable (idempotent, once per model): each module
-    with a `conv1d` child becomes a recording mixer. Returns how many mixers the model has."""
+    with a `conv1d` child becomes a recording mixer. Returns how many mixers the model has.
+    The modules' classes are swapped for subclasses (as hidden.py's watched modules are) rather
+    than wrapped, so that their parameter paths and identity in mlx-lm's tree stay as loaded."""
     done = model.__dict__.get(_PREPARED)
     if done is not None:
         return done
@@ -140,7 +142,10 @@ _installed = False
 
 def _install() -> None:
     """Wrap the recurrence functions where mlx-lm's `gated_delta_update` and `ssm_update` look
-    them up (once per process)."""
+    them up (once per process). Why replaced functions: mlx-lm's layers call them as globals of
+    their modules, with the per-position inputs the replay needs (and nothing else sees them);
+    a subclass of each layer would have to copy its `__call__` (mlx-lm's model code). The
+    wrappers record only inside a forward that asked for it and pass through otherwise."""
     global _installed
     if _installed:
         return

@@ -52,13 +52,11 @@ from .batch_cache import BatchCache, SingleCache
 from .bitwise import MAX_K as BITWISE_MAX_K
 from .bitwise import buffer_need, pad, trim
 from .bitwise import refusal as bitwise_refusal
-from .cache import KEEP, Cache, cache_length, layer_kinds, make_cache, reachable, rollback
-from .chains import HeadCache
+from .cache import KEEP, Cache, cache_length, can_cut, cut, layer_kinds, make_cache, rollback
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
-from .hidden import StateHead, capture, watch
-from .mtp import head_of
+from .hidden import capture
 from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, Acceptance, choose, sampling_regime, shared_policy
 from .rejection import greedy_accept_ids
 from .sampling import ParameterError, Processor, SamplingParams
@@ -176,18 +174,14 @@ class BatchDecoder:
         self.bitwise = bitwise  # every target forward ROWS positions, one sequence (bitwise.py)
         single = single or bitwise
         self.ranks = ranks_of(target)
-        # heads that read the target's states draft with chains of their own (chains.py): the
-        # target's MTP layer where one is attached (mtp.py), and `draft` when it is a head
-        heads = [h for h in (head_of(target), draft) if isinstance(h, StateHead)]
-        heads = list({id(h): h for h in heads}.values())
-        draft = None if isinstance(draft, StateHead) else draft
-        for head in heads:
-            self._check_head(head, target)
-        self.single = single or unbatchable(target, draft) is not None
+        # `draft`'s chain is made now (a draft model's or a head's: chains.py); any other
+        # drafter's when its first row comes (`insert`)
+        base = resolve_drafter(draft, target=target)
+        self.single = single or unbatchable(target, base.model) is not None
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         self.margin = max_k + 1
-        kinds = {id(m): layer_kinds(m) for m in (target, draft, *heads) if m is not None}
+        kinds = {id(m): layer_kinds(m) for m in (target, base.model) if m is not None}
         # bounded and sliding-window rows, and recurrent ones, roll back at most margin + 1
         # positions: k is at most max_k, and a batch's padded catch-up forwards are no longer
         self.limited = max_kv_size is not None or any(
@@ -203,7 +197,8 @@ class BatchDecoder:
         self.target_cache = rows(target)
         self.width = vocab_width(target)
         chunk = self.margin + 1 if self.limited and not self.single else prefill_step
-        self.drafting = Drafting(draft, heads, rows, chunk, self.width)
+        self.drafting = Drafting(rows, chunk, self.width)
+        self.drafting.add(base, target)
         self.rows: list[_Row] = []  # in the batch, in cache row order
         self.pending: list[_Row] = []  # prefilling, first come first served
         self.finished: dict[int, Finished] = {}
@@ -219,13 +214,6 @@ class BatchDecoder:
     def __len__(self) -> int:
         """Sequences in the decoder (live and prefilling)."""
         return len(self.rows) + len(self.pending)
-
-    @staticmethod
-    def _check_head(head: StateHead, target: nn.Module) -> None:
-        """ParameterError unless `head` reads this target; its states made capturable."""
-        if head.target is not target:
-            raise ParameterError("draft", "a head of this decoder's target", "another model's")
-        watch(target, getattr(head, "after", ()))
 
     def _seed(self, seed: int | None) -> int:
         if seed is not None:
@@ -260,10 +248,11 @@ class BatchDecoder:
             raise ValueError("this decoder holds one sequence at a time (single=True, or a "
                              "tensor-parallel target, or layers a batch cannot hold)")
         source = resolve_drafter(draft, self.draft, self.target)
-        if isinstance(source.model, StateHead) and not self.drafting.has(source.model):
-            self._check_head(source.model, self.target)  # any head of the target may join
-            self.drafting.add_head(source.model)
-        self.drafting.check(source)
+        if source.model is not None and not (self.drafting.has(source.model)
+                                             or source.reads_target):
+            raise ParameterError("draft", "the batch's draft model, a head of its target, "
+                                 "prompt lookup or None", type(source.model).__name__)
+        self.drafting.add(source, self.target)  # a head's chain when its first row comes
         k_cap = max_draft_length(source, k)
         if self.bitwise and k_cap > BITWISE_MAX_K:
             raise ParameterError("k", f"an integer in [1, {BITWISE_MAX_K}] or \"auto\" with "
@@ -273,14 +262,7 @@ class BatchDecoder:
                              f"sliding-window or recurrent layers (got {k_cap})")
         if target_cache is None:
             target_cache = make_cache(self.target, self.max_kv_size, self.margin)
-        if isinstance(source.model, StateHead):
-            # a head's cache goes with what it has not read (a prompt cache's HeadCache)
-            if not isinstance(draft_cache, HeadCache):
-                empty = draft_cache is not None and cache_length(draft_cache) == 0
-                draft_cache = HeadCache(draft_cache if empty else  # the caller's (bounded) one
-                                        make_cache(source.model, self.max_kv_size, self.margin))
-        elif source.model is not None and draft_cache is None:
-            draft_cache = make_cache(source.model, self.max_kv_size, self.margin)
+        draft_cache = source.row_cache(draft_cache, self.max_kv_size, self.margin)
         for name, cache in [("target_cache", target_cache), ("draft_cache", draft_cache)]:
             if cache is not None and cache_length(cache) > len(prompt) - 1:
                 raise ValueError(f"{name} must hold at most len(prompt) - 1 = "
@@ -291,8 +273,7 @@ class BatchDecoder:
         row = _Row(self._uid, list(prompt), len(prompt), source, k_cap, sampling,
                    mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
                    max_tokens, list(logits_processors), stats, logprobs, keep_caches,
-                   target_cache=target_cache,
-                   draft_cache=draft_cache if source.model is not None else None)
+                   target_cache=target_cache, draft_cache=draft_cache)
         if k == AUTO and source.drafts:
             pair = shared_policy(self.target, source.policy_key)
             row.acceptance = pair.acceptance(sampling_regime(sampling))
@@ -309,14 +290,10 @@ class BatchDecoder:
             if keep is not None and keep < len(done.tokens):
                 done.tokens = done.tokens[:keep]
                 end = done.stats.prompt_tokens + keep - 1
-                head = done.draft_cache if isinstance(done.draft_cache, HeadCache) else None
-                caches = [c for c in (done.target_cache, done.draft_cache)
-                          if c is not None and c is not head]
-                if all(reachable(c, end) for c in caches):
+                caches = [c for c in (done.target_cache, done.draft_cache) if c is not None]
+                if all(can_cut(c, end) for c in caches):
                     for cache in caches:
-                        rollback(cache, end)
-                    if head is not None and not head.keep_prefix(end):
-                        head.clear()  # it read past the cut: it starts again
+                        cut(cache, end)
                 else:  # a recurrent state cannot go back that far: nothing is kept
                     done.target_cache = done.draft_cache = None
             return done
@@ -324,15 +301,11 @@ class BatchDecoder:
             if row.uid == uid:
                 del self.pending[i]
                 row.stats.finish_reason = row.stats.finish_reason or "closed"
-                caches = [None, None]
-                if row.keep_caches:
-                    for j, cache in enumerate((row.target_cache, row.draft_cache)):
-                        if isinstance(cache, HeadCache):  # its states are the batch's: dropped
-                            cache.clear()
-                        elif cache is not None:
-                            rollback(cache, len(row.seq) - 1)
-                            caches[j] = cache
-                return Finished(uid, [], row.stats, *caches)
+                draft = self.drafting.release(row, row.draft_cache)
+                if not row.keep_caches:
+                    return Finished(uid, [], row.stats)
+                rollback(row.target_cache, len(row.seq) - 1)
+                return Finished(uid, [], row.stats, row.target_cache, draft)
         for row in self.rows:
             if row.uid == uid:
                 if keep is not None and keep < row.generated:
@@ -389,7 +362,7 @@ class BatchDecoder:
             chunk = todo if left >= len(todo) else todo[: int(left)]
             done = None if progress is None else _progress(progress, len(todo))
             start, at = time.perf_counter(), cache_length(row.target_cache)
-            reads = self.drafting.reads_states([row])  # a head's row reads the target's states
+            reads = self.drafting.reads_target([row])  # a head's row reads the target's states
             with mx.stream(self.stream), (capture() if reads else nullcontext([])) as seen:
                 if done is not None:
                     done(0)
@@ -477,7 +450,7 @@ class BatchDecoder:
         round of a first token, one rank (or fixed k), and a row that goes on past this round."""
         return (not self.pending and not self._joined
                 and not any(r.processors for r in self.rows)
-                and not self.drafting.reads_states(self.rows)
+                and not self.drafting.reads_target(self.rows)
                 and not (self.ranks and any(r.acceptance is not None for r in self.rows))
                 and any(r.generated + 1 < r.max_tokens for r in self.rows))
 
@@ -524,7 +497,7 @@ class BatchDecoder:
         states where a head's row reads them, else None)."""
         x = inputs if inputs is not None else proposals.inputs([r.seq[-1] for r in self.rows])
         x = model_inputs(self.target, x)  # a wider draft's ids: clamped (acceptance.py)
-        reads = self.drafting.reads_states(self.rows)
+        reads = self.drafting.reads_target(self.rows)
         n, fixed = x.shape[1], {}
         if self.bitwise:  # one row: ROWS positions, its generation's key buffer (bitwise.py)
             row = self.rows[0]

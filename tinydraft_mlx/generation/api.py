@@ -136,9 +136,8 @@ def run_prepared(target: nn.Module, plan: Prepared, tokenizer: Any) -> Iterator[
         caches = None
     else:
         margin = plan.k_eff + 1  # a verify writes k+1 positions and may roll back k of them
-        model = plan.drafter.model
         caches = (make_cache(target, plan.max_kv_size, margin),
-                  make_cache(model, plan.max_kv_size, margin) if model is not None else None)
+                  plan.drafter.row_cache(None, plan.max_kv_size, margin))
 
     def steps(target_cache: Cache, draft_cache: Cache | None) -> Iterator[Token]:
         return decode(
@@ -191,12 +190,14 @@ class Prepared:
 
 def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options: Options, *,
             prompt_cache: PromptCache | None = None,
-            prompt_progress_callback: Progress | None = None) -> Prepared:
+            prompt_progress_callback: Progress | None = None,
+            model: nn.Module | None = None) -> Prepared:
     """Check what depends on the models (the drafter, the prompt, the logit bias's token ids, a
     prompt cache, the KV bound against a round's length) for a generation of checked `options`;
     ParameterError / PromptCacheError naming the parameter, the allowed range and the value
-    received. `stream_generate`, `batch_generate` and the server all go through it."""
-    drafter = resolve_drafter(draft, target=target)
+    received. `model`: the draft model that the names "model" and "hybrid" mean (a server's).
+    `stream_generate`, `batch_generate` and the server all go through it."""
+    drafter = resolve_drafter(draft, model, target)
     width = vocab_width(target)
     check_vocab(options, width)
     if prompt_progress_callback is not None and not callable(prompt_progress_callback):

@@ -17,7 +17,6 @@ from typing import Any
 import mlx.nn as nn
 
 from ..engine.cache import cache_length, layer_kinds
-from ..engine.chains import HeadCache
 from ..engine.forward import vocab_width
 from ..engine.lookup import PromptLookup
 from ..engine.rounds import BatchDecoder, Token
@@ -164,17 +163,19 @@ def _store(plan: Prepared, done: Any, emitted: list[int]) -> None:
         record_caches(plan.prompt_cache, done, plan.ids, emitted)
 
 
-def record_caches(cache: PromptCache, done: Any, ids: list[int], emitted: list[int]) -> bool:
+def record_caches(cache: PromptCache, done: Any, ids: list[int], emitted: list[int],
+                  drafter: Any = None) -> bool:
     """Make a prompt cache hold what its sequence's caches hold after leaving a batch (`done`, a
-    `Finished` with caches): prompt `ids` + the `emitted` tokens. False, and the cache left
-    as it was, when there is nothing to record."""
+    `Finished` with caches): prompt `ids` + the `emitted` tokens (`drafter`: the sequence's,
+    where it may be another than the prompt cache's). False, and the cache left as it was, when
+    there is nothing to record."""
     if done is None or done.target_cache is None:
         return False
     cache.target_cache = done.target_cache
-    if done.draft_cache is not None:
-        cache.draft_cache = done.draft_cache
-    elif isinstance(cache.draft_cache, HeadCache):  # the head's state did not come back
-        cache.draft_cache.clear()
+    # a draft cache that did not come back (it read past a cut), or another drafter's: anew
+    ours = drafter is None or cache.drafts_for(drafter)
+    cache.draft_cache = done.draft_cache if done.draft_cache is not None and ours \
+        else cache.new_draft_cache()
     held = cache_length(cache.target_cache)
     cache.tokens = (ids + emitted)[: held + 1]
     return True

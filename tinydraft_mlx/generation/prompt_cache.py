@@ -29,13 +29,13 @@ from ..engine.cache import (
     Cache,
     RollbackRotatingKVCache,
     cache_length,
+    can_cut,
+    cut,
     make_cache,
     reachable,
     rollback,
 )
-from ..engine.chains import HeadCache
 from ..engine.drafters import draft_model, resolve_drafter
-from ..engine.hidden import StateHead
 from ..engine.recurrent import RecurrentCache
 
 FORMAT = "tinydraft-mlx prompt cache 1"
@@ -84,21 +84,23 @@ class PromptCache:
                                         or max_kv_size <= KEEP + 1):
             raise PromptCacheError(f"max_kv_size must be an integer > {KEEP + 1} "
                                    f"(got {max_kv_size!r})")
-        model = resolve_drafter(draft, target=target).model
-        self.head = model if isinstance(model, StateHead) else None  # its MTP / EAGLE-3 head
-        self.target, self.draft = target, None if self.head is not None else model
+        self.drafter = resolve_drafter(draft, target=target)
+        # a draft model is one of the cache's models (checked, fingerprinted in its file); a
+        # head goes with its target (its cache, with what it has not read, starts anew)
+        self.target, self.draft = target, draft_model(self.drafter, target)
         self.max_kv_size = max_kv_size
         self.tokens: list[int] = []
         self.in_use = False  # a generation is running on these caches
         self.target_cache = make_cache(target, max_kv_size, MARGIN)
-        self.draft_cache = (make_cache(self.draft, max_kv_size, MARGIN)
-                            if self.draft is not None else self._new_head())
+        self.draft_cache = self.new_draft_cache()
 
-    def _new_head(self) -> HeadCache | None:
-        """An empty head cache (with what the head has not read: none yet), or None."""
-        if self.head is None:
-            return None
-        return HeadCache(make_cache(self.head, self.max_kv_size, MARGIN))
+    def drafts_for(self, drafter: Any) -> bool:
+        """Whether its draft cache is `drafter`'s (a `Source`): the same drafting model."""
+        return drafter.model is not None and drafter.model is self.drafter.model
+
+    def new_draft_cache(self) -> Cache | None:
+        """An empty cache for the drafter (None: it has no model)."""
+        return self.drafter.row_cache(None, self.max_kv_size, MARGIN)
 
     def check_models(self, target: nn.Module, draft: Any) -> None:
         """PromptCacheError unless `target` and `draft` are the models this cache was made for."""
@@ -136,20 +138,18 @@ class PromptCache:
                 break
             common += 1
         keep = min(common, len(prompt) - 1)
-        for name in ("target_cache", "draft_cache"):
-            cache = getattr(self, name)
-            if isinstance(cache, HeadCache):  # it resumes where the target's cache ends
-                if not cache.keep_prefix(cache_length(self.target_cache)):
-                    self.draft_cache = self._new_head()
-                continue
-            if cache is None:
-                continue
-            target_keep = min(keep, cache_length(cache))
-            if _trimmable_to(cache, target_keep):
-                rollback(cache, target_keep)
-            else:  # a wrapped ring cannot go back that far: rebuild
-                model = self.target if name == "target_cache" else self.draft
-                setattr(self, name, make_cache(model, self.max_kv_size, MARGIN))
+        target_keep = min(keep, cache_length(self.target_cache))
+        if _trimmable_to(self.target_cache, target_keep):
+            rollback(self.target_cache, target_keep)
+        else:  # a wrapped ring cannot go back that far: rebuild
+            self.target_cache = make_cache(self.target, self.max_kv_size, MARGIN)
+        held = cache_length(self.target_cache)
+        draft = self.draft_cache
+        if draft is not None and not (_trimmable_to(draft, min(held, cache_length(draft)))
+                                      and can_cut(draft, held)):
+            self.draft_cache = self.new_draft_cache()  # it cannot go back that far
+        elif draft is not None:
+            cut(draft, held)  # a head's resumes where the target's cache ends
         self.tokens = list(prompt[:keep])
         return cache_length(self.target_cache)
 
@@ -191,8 +191,9 @@ class PromptCache:
         PromptCacheError when its directory does not exist."""
         arrays: dict[str, mx.array] = {}
         layers = {}
-        for prefix, cache in (("target", self.target_cache), ("draft", self.draft_cache)):
-            if cache is not None and not isinstance(cache, HeadCache):  # a head starts anew
+        draft = self.draft_cache if self.drafter.cache_in_file else None  # else: starts anew
+        for prefix, cache in (("target", self.target_cache), ("draft", draft)):
+            if cache is not None:
                 layers[prefix] = [_save_layer(layer, f"{prefix}.{i}", arrays)
                                   for i, layer in enumerate(cache)]
         info = {
@@ -251,8 +252,8 @@ def _copy_cache(cache: Cache | None) -> Cache | None:
     objects would let a slice update through one cache show in the other)."""
     if cache is None:
         return None
-    if isinstance(cache, HeadCache):  # its states are never updated in place: shared
-        return HeadCache(_copy_cache(list(cache)), cache.skip, cache.states)
+    if callable(getattr(cache, "with_layers", None)):  # more than layers: it copies itself
+        return cache.with_layers(_copy_cache(list(cache)))
     layers = []
     for layer in cache:
         if isinstance(layer, RecurrentCache):

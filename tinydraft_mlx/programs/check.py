@@ -47,10 +47,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..engine.backend import active_blas, device_name, generation_stream
-from ..engine.cache import make_cache, rollback
-from ..engine.drafters import draft_model, resolve_drafter
+from ..engine.cache import cache_length, make_cache, rollback
+from ..engine.drafters import resolve_drafter
 from ..engine.forward import forward, prefill
-from ..engine.hidden import StateHead
 from ..engine.mtp import MTP
 from ..engine.policy import record_rounds, sampling_regime
 from ..engine.sampling import ParameterError, SamplingParams, check_int, warp
@@ -145,26 +144,27 @@ def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float
 
 # -- measurements ---------------------------------------------------------------------------------
 
-def forward_ms(model, ids: list[int], n: int, repeats: int = 5) -> float:
+def forward_ms(model, ids: list[int], n: int, repeats: int = 5, drafter: Any = None) -> float:
     """Median time of one cached forward over n tokens after `ids` (then rolled back): the
     decode loop's own forward (compiled where it applies; the first call, which may trace, is
-    left out), on the generation stream the loop runs on. An MTP head: its step on the
-    target's state of the last position (n = 1), its cache filled from the states of `ids`."""
-    times, head = [], isinstance(model, StateHead)
+    left out), on the generation stream the loop runs on. `drafter`: the drafter whose model
+    `model` is, which fills the cache with what precedes its step and gives the step's other
+    inputs (a head: the target's states; `Source.prime`); None: a model prefilled with `ids`."""
+    times = []
     with mx.stream(generation_stream()):
         cache = make_cache(model, margin=n)  # rolled back by n: sliding and recurrent layers
-        states = model.target_states(ids) if head else None
-        if head:
-            mx.eval(model(mx.array([ids[1:]]), cache, hidden=states[:, :-1]))
+        if drafter is not None:
+            extra = drafter.prime(cache, ids)
         else:
             prefill(model, cache, ids)
+            extra = {}
+        primed = cache_length(cache)
         for _ in range(repeats + 1):
             x = mx.array([ids[-1]] * n, dtype=mx.int32)[None]
             start = time.perf_counter()
-            extra = {"hidden": states[:, -1:]} if head else {}
             mx.eval(forward(model, x, cache, **extra))
             times.append(time.perf_counter() - start)
-            rollback(cache, len(ids) - head)
+            rollback(cache, primed)
     return 1000 * statistics.median(times[1:])
 
 
@@ -174,10 +174,12 @@ def target_costs(target, ids: list[int], k_max: int, repeats: int) -> dict[str, 
             "t_v": {n: forward_ms(target, ids, n, repeats) for n in range(1, k_max + 2)}}
 
 
-def draft_ms(draft, ids: list[int], repeats: int) -> float:
+def draft_ms(draft, ids: list[int], repeats: int, target: Any = None) -> float:
     """t_d: one draft step in ms (0 for prompt lookup and plain decoding)."""
-    model = draft if isinstance(draft, StateHead) else draft_model(draft)
-    return forward_ms(model, ids, 1, repeats) if model is not None else 0.0
+    drafter = resolve_drafter(draft, target=target)
+    if drafter.model is None:
+        return 0.0
+    return forward_ms(drafter.model, ids, 1, repeats, drafter=drafter)
 
 
 def plain_reference(target, tok, ids: list[int], n: int) -> dict[str, Any]:
@@ -242,13 +244,10 @@ def _first_distributions(target, draft, ids, sampling) -> tuple[np.ndarray, floa
     draft model's q (the probability that its first proposal is accepted; 1.0 without a model)."""
     with mx.stream(generation_stream()):
         p = np.array(warp(target(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
-        if isinstance(draft, StateHead):  # it reads the state before the last token
-            logits, _ = draft(mx.array([ids[1:]]), None, hidden=draft.target_states(ids)[:, :-1])
-            q = np.array(warp(logits[0, -1], sampling)).astype(np.float64)
-        elif draft_model(draft) is None:
+        logits = resolve_drafter(draft, target=target).first_logits(ids)
+        if logits is None:
             return p / p.sum(), 1.0
-        else:
-            q = np.array(warp(draft(mx.array([ids]))[0, -1], sampling)).astype(np.float64)
+        q = np.array(warp(logits, sampling)).astype(np.float64)
     width = min(len(p), len(q))
     return p / p.sum(), float(np.minimum(p[:width], q[:width]).sum())
 
@@ -302,7 +301,7 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
     """All five checks for one draft; `measured`: the target's costs."""
     greedy = greedy_runs(target, draft, tok, prompts, refs, args.ks, args.max_tokens, tolerance)
     failures = [d for d in greedy["divergences"] if not d["near_tie"]]
-    c = {**measured, "t_d": draft_ms(draft, prompts[0], args.repeats)}
+    c = {**measured, "t_d": draft_ms(draft, prompts[0], args.repeats, target)}
     pooled = [greedy["per_k"][k]["per_position"][0] for k in args.ks
               if greedy["per_k"][k]["per_position"][0] is not None]
     alpha = statistics.mean(pooled) if pooled else 0.0

@@ -32,10 +32,9 @@ from fastapi import FastAPI
 
 from ..engine.bitwise import refusal as bitwise_refusal
 from ..engine.cache import KEEP
-from ..engine.drafters import HYBRID, resolve_drafter
-from ..engine.hidden import StateHead
+from ..engine.drafters import HYBRID, MODEL, resolve_drafter
 from ..engine.lookup import NO_DRAFT
-from ..engine.mtp import MtpHead
+from ..engine.mtp import head_of
 from ..engine.policy import DEFAULT_K
 from ..engine.rounds import unbatchable
 from ..engine.sampling import ParameterError, SamplingParams, check_int
@@ -163,11 +162,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         print(no_draft_notice(args.target), file=sys.stderr)
     if args.chat_template is not None:
         tokenizer.chat_template = read_template(args.chat_template)
-    if args.mtp and not isinstance(draft, MtpHead):
+    if args.mtp and head_of(target) is None:  # the target's MTP layer beside the draft
         load_head(target, args.target or DEMO_DIR / "target")
-    drafter = resolve_drafter(draft)
+    drafter = resolve_drafter(draft, target=target)
     model, default_draft = drafter.model, drafter.name  # a head is the server's draft too
-    if model is not None and args.hybrid and not isinstance(model, StateHead):
+    if drafter.name == MODEL and args.hybrid:
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch
     if args.bitwise:

@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from jinja2 import TemplateError
 
-from ..engine.drafters import HYBRID, MODEL, Hybrid
+from ..engine.drafters import MODEL, drafter_names
 from ..engine.forward import vocab_width
-from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP
-from ..engine.mtp import MTP, head_of
+from ..engine.lookup import NO_DRAFT
+from ..engine.mtp import MTP
 from ..engine.policy import DEFAULT_K
 from ..engine.sampling import ParameterError
 from ..generation.options import Options, check_k, make_options
@@ -46,10 +46,6 @@ from .worker import (
     WorkerDown,
 )
 
-# a request's `draft`: the server's draft model, the target's MTP layer, prompt lookup, lookup
-# with the model (or with the MTP layer where the server has no draft model), none
-DRAFT_MODEL = MODEL
-DRAFT_CHOICES = (DRAFT_MODEL, MTP, PROMPT_LOOKUP, HYBRID, NO_DRAFT)
 INTERNAL = "the server failed to generate this reply (the error is in its log)"
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
 
@@ -93,7 +89,7 @@ class Defaults:
     """What a request gets for the fields it leaves out (the server's flags)."""
 
     k: int | str = DEFAULT_K
-    draft: str = DRAFT_MODEL
+    draft: str = MODEL
     max_tokens: int = 512
     temperature: float = 0.0
 
@@ -334,39 +330,23 @@ class Service:
             return "--max-kv-size", self.worker.max_kv_size
         return "the model's context length", self.context
 
-    def draft_choices(self) -> tuple[str, ...]:
-        """The names a request's `draft` may take: the server's own drafter's (a head's kind,
-        e.g. "eagle3", where it was started with one) and the shared ones."""
+    def draft_choices(self) -> list[str]:
+        """The names a request's `draft` may take: every registered drafter these models can
+        draft with (engine/drafters.py: "model", "hybrid", "mtp", "eagle3", "prompt-lookup",
+        "none", plug-ins), the server's own drafter's first."""
+        names = drafter_names(self.worker.draft, self.worker.target)
         own = self.defaults.draft
-        return DRAFT_CHOICES + ((own,) if own not in DRAFT_CHOICES else ())
+        return [own] + [n for n in names if n != own] if own in names else names
 
     def _draft(self, draft: str | None) -> str:
         draft = self.defaults.draft if draft is None else draft
         choices = self.draft_choices()
         if draft not in choices:
-            raise bad("draft", f"draft must be one of {list(choices)} (got {draft!r})")
-        head = head_of(self.worker.target)
-        if (draft == DRAFT_MODEL or (draft == HYBRID and head is None)) \
-                and self.worker.draft is None:
-            raise bad("draft", f'draft "{draft}": this server has no draft model loaded '
-                      f'(use "{PROMPT_LOOKUP}" or "{NO_DRAFT}")')
-        if draft == MTP and head is None:
-            raise bad("draft", f'draft "{MTP}": this server has not loaded the target\'s MTP '
-                      f'layer (start it with --draft {MTP} or --mtp)')
+            loaded = ("" if MODEL in choices else "; no draft model is loaded") + (
+                "" if MTP in choices else f"; the target's MTP layer is not loaded (start the "
+                f"server with --draft {MTP} or --mtp)")
+            raise bad("draft", f"draft must be one of {choices} (got {draft!r}){loaded}")
         return draft
-
-    def _drafter(self, name: str) -> object:
-        """The `draft` argument the engine takes for a checked name: the server's draft model
-        (or head) for "model" and for its own drafter's name, lookup with it for "hybrid",
-        else the name itself ("mtp", "prompt-lookup", "none")."""
-        model = self.worker.draft if self.worker.draft is not None else head_of(self.worker.target)
-        if model is None:
-            return name
-        if name == HYBRID:
-            return Hybrid(model)
-        if name == DRAFT_MODEL or (name == self.defaults.draft and name not in DRAFT_CHOICES):
-            return self.worker.draft
-        return name
 
     def _logit_bias(self, spec: Spec) -> dict[int, float] | None:
         if spec.logit_bias is None:
@@ -397,7 +377,7 @@ class Service:
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
 
-        job = Job(plan.prompt, self._drafter(plan.draft), plan.options, deliver)
+        job = Job(plan.prompt, plan.draft, plan.options, deliver)  # the engine resolves it
         try:
             self.worker.submit(job)
         except QueueFull as err:

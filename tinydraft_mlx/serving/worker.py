@@ -288,7 +288,8 @@ class Worker:
             self.counts["cancelled"] += 1
             _deliver(job, Failed(ShuttingDown()))
             return
-        plan = prepare(self.target, job.draft, self.tokenizer, job.prompt, job.options)
+        plan = prepare(self.target, job.draft, self.tokenizer, job.prompt, job.options,
+                       model=self.draft)
         pc = self.pool.take(plan.ids)
         pc.check_free()
         pc.in_use = True
@@ -298,7 +299,9 @@ class Worker:
                                  max_tokens=plan.options.max_tokens,
                                  sampling=plan.sampling, eos_token_ids=plan.eos,
                                  logits_processors=plan.processors,
-                                 target_cache=pc.target_cache, draft_cache=pc.draft_cache,
+                                 target_cache=pc.target_cache,
+                                 draft_cache=pc.draft_cache if pc.drafts_for(plan.drafter)
+                                 else None,
                                  logprobs=job.options.logprobs is not None, keep_caches=True)
         except Exception:
             pc.in_use = False
@@ -344,7 +347,7 @@ class Worker:
         pc = live.pc
         try:
             done = decoder.remove(uid, keep=len(live.emitted)) if pool else None
-            pool = record_caches(pc, done, live.plan.ids, live.emitted)
+            pool = record_caches(pc, done, live.plan.ids, live.emitted, live.plan.drafter)
         except Exception as err:
             self.errors += 1
             log.error("taking a job out of the batch failed; its cache is dropped",
