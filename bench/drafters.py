@@ -111,8 +111,8 @@ def head_costs() -> dict:
 
     from tinydraft_mlx.engine import hidden
     from tinydraft_mlx.engine.drafters import resolve_drafter
-    from tinydraft_mlx.engine.eagle import Eagle3Head
-    from tinydraft_mlx.engine.mtp import MtpHead, attach, attention_layer
+    from tinydraft_mlx.engine.drafters.eagle import Eagle3Head
+    from tinydraft_mlx.engine.drafters.mtp import MtpHead, attach, attention_layer
     from tinydraft_mlx.generation.loading import load_model
     from tinydraft_mlx.programs.check import forward_ms
 

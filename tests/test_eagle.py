@@ -37,8 +37,8 @@ from tinydraft_mlx import (
     generate,
     load_models,
 )
-from tinydraft_mlx.engine.chains import HeadChain
-from tinydraft_mlx.engine.eagle import Eagle3Head
+from tinydraft_mlx.engine.drafters.chains import HeadChain
+from tinydraft_mlx.engine.drafters.eagle import Eagle3Head
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 

@@ -56,8 +56,8 @@ from tinydraft_mlx import (
     load_head,
     load_models,
 )
-from tinydraft_mlx.engine.chains import HeadChain
-from tinydraft_mlx.engine.mtp import attach
+from tinydraft_mlx.engine.drafters.chains import HeadChain
+from tinydraft_mlx.engine.drafters.mtp import attach
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
@@ -335,7 +335,7 @@ def test_prompt_caches_keep_the_head_where_it_stopped(mtp, tmp_path):
     prompt that shares less restarts it, a stop string's cut and a saved file too, all exact;
     batch_generate records it the same way."""
     from tinydraft_mlx import PromptCache
-    from tinydraft_mlx.engine.chains import HeadCache
+    from tinydraft_mlx.engine.drafters.chains import HeadCache
 
     _, (target, head, tok), _, refs, oracle = mtp["qwen3"]
     ids, ref = refs[0]
@@ -404,7 +404,7 @@ def test_a_server_drafting_with_the_mtp_layer_resumes_it_across_turns(mtp):
     extends the first resumes its head; both turns == the oracle, and the pool holds a head."""
     from tests.test_server import Served
     from tinydraft_mlx import server
-    from tinydraft_mlx.engine.chains import HeadCache
+    from tinydraft_mlx.engine.drafters.chains import HeadCache
 
     target_dir, (_, _, tok), _, refs, oracle = mtp["qwen3_next"]
     args = server.setup_arg_parser().parse_args(

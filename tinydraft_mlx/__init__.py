@@ -5,8 +5,8 @@ from .engine.backend import active_blas, preload_blas
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
 from .engine.drafters import Hybrid
-from .engine.lookup import PromptLookup
-from .engine.mtp import MtpHead
+from .engine.drafters.lookup import PromptLookup
+from .engine.drafters.mtp import MtpHead
 from .engine.policy import DraftLengthPolicy
 from .engine.rounds import BatchDecoder, Finished, Token
 from .engine.sampling import ParameterError, SamplingParams, warp

@@ -17,8 +17,8 @@ import mlx.nn as nn
 from ..engine.bitwise import refusal as bitwise_refusal
 from ..engine.cache import KEEP, Cache, cache_length, make_cache
 from ..engine.drafters import Source, resolve_drafter
+from ..engine.drafters.lookup import PromptLookup
 from ..engine.forward import vocab_width
-from ..engine.lookup import PromptLookup
 from ..engine.policy import DEFAULT_K
 from ..engine.rounds import Progress, Token, max_draft_length
 from ..engine.sampling import ParameterError, Processor, SamplingParams, check_int

@@ -17,8 +17,8 @@ from typing import Any
 import mlx.nn as nn
 
 from ..engine.cache import cache_length, layer_kinds
+from ..engine.drafters.lookup import PromptLookup
 from ..engine.forward import vocab_width
-from ..engine.lookup import PromptLookup
 from ..engine.rounds import BatchDecoder, Token
 from ..engine.sampling import ParameterError
 from ..engine.stats import GenerationStats

@@ -21,10 +21,10 @@ from ..engine import skinny
 from ..engine.backend import resolve_dtype, warn_if_slow_blas
 from ..engine.cache import make_cache
 from ..engine.distributed import join
-from ..engine.eagle import is_eagle3, load_eagle3
+from ..engine.drafters.eagle import is_eagle3, load_eagle3
+from ..engine.drafters.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
+from ..engine.drafters.mtp import MTP, MtpError, MtpHead, load_mtp
 from ..engine.hidden import StateHead
-from ..engine.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
-from ..engine.mtp import MTP, MtpError, MtpHead, load_mtp
 from ..engine.pruning import prune_draft
 from ..engine.sampling import ParameterError
 

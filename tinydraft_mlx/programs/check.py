@@ -49,8 +49,8 @@ from mlx.utils import tree_flatten
 from ..engine.backend import active_blas, device_name, generation_stream
 from ..engine.cache import cache_length, make_cache, rollback
 from ..engine.drafters import resolve_drafter
+from ..engine.drafters.mtp import MTP
 from ..engine.forward import forward, prefill
-from ..engine.mtp import MTP
 from ..engine.policy import record_rounds, sampling_regime
 from ..engine.sampling import ParameterError, SamplingParams, check_int, warp
 from ..generation.api import generate, stream_generate

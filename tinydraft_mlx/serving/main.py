@@ -33,8 +33,8 @@ from fastapi import FastAPI
 from ..engine.bitwise import refusal as bitwise_refusal
 from ..engine.cache import KEEP
 from ..engine.drafters import HYBRID, MODEL, resolve_drafter
-from ..engine.lookup import NO_DRAFT
-from ..engine.mtp import head_of
+from ..engine.drafters.lookup import NO_DRAFT
+from ..engine.drafters.mtp import head_of
 from ..engine.policy import DEFAULT_K
 from ..engine.rounds import unbatchable
 from ..engine.sampling import ParameterError, SamplingParams, check_int

@@ -24,9 +24,9 @@ from fastapi.sse import EventSourceResponse
 from jinja2 import TemplateError
 
 from ..engine.drafters import MODEL, drafter_names
+from ..engine.drafters.lookup import NO_DRAFT
+from ..engine.drafters.mtp import MTP
 from ..engine.forward import vocab_width
-from ..engine.lookup import NO_DRAFT
-from ..engine.mtp import MTP
 from ..engine.policy import DEFAULT_K
 from ..engine.sampling import ParameterError
 from ..generation.options import Options, check_k, make_options

@@ -8,7 +8,7 @@ with probability p(d) and otherwise resamples from p with d removed, which keeps
 
 from __future__ import annotations
 
-from .sampling import check_int
+from ..sampling import check_int
 
 PROMPT_LOOKUP = "prompt-lookup"  # the draft argument that selects this drafter
 NO_DRAFT = "none"  # the draft argument for plain decoding

@@ -34,8 +34,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import hidden
-from .hidden import embeddings as target_embeddings
+from .. import hidden
+from ..hidden import embeddings as target_embeddings
 from .mtp import MtpError
 
 EAGLE3 = "eagle3"

@@ -37,8 +37,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import hidden
-from .hidden import embeddings as target_embeddings
+from .. import hidden
+from ..hidden import embeddings as target_embeddings
 
 MTP = "mtp"
 SHIFTED_NORMS = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # weight + 1 is the scale
