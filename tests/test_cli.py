@@ -46,6 +46,39 @@ def test_cli_auto_k_reaches_the_policy(checkpoints, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 0 and "speculative k=auto: 40 tokens" in err, err
     assert re.search(r"rounds by k \{0: \d+, 1: \d+, 2: \d+\}", err), err
+    # --verbose says what k="auto" has learned (its costs and acceptance: test_policy)
+    assert re.search(r'k="auto" has learned: a plain round costs [\d.]+ ms and a k = 1 round '
+                     r"[\d.]+ ms on this machine, the draft's first token is accepted \d+% of "
+                     r"the time, so (it will draft k = \d|drafting does not pay)", err), err
+
+
+def test_a_run_that_compiles_kernels_says_so(checkpoints, capsys, monkeypatch):
+    """MLX's CPU backend compiles kernels on a machine's first runs (cached under the temp
+    directory): `--verbose` says how many this run compiled, since its speed includes them;
+    a run that compiled none says nothing of it. The count is read from the cache directory."""
+    import tempfile
+
+    import mlx.core as mx
+
+    from tinydraft_mlx.engine import backend
+    from tinydraft_mlx.programs import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(checkpoints["target"].parent / "tmp"))
+    where = backend.kernel_cache()
+    assert where == checkpoints["target"].parent / "tmp" / "mlx" / mx.__version__ / "cpu"
+    where.mkdir(parents=True, exist_ok=True)
+    for i in range(3):
+        (where / f"kernel{i}.so").write_bytes(b"")
+    assert backend.compiled_kernels() == 3
+    counts = iter([3, 10])
+    monkeypatch.setattr(cli, "compiled_kernels", lambda: next(counts))
+    argv = ["--target", str(checkpoints["target"]), "--prompt", "x", "--max-tokens", "4",
+            "--verbose"]
+    assert main(argv) == 0
+    assert "MLX compiled 7 CPU kernels during this run" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "compiled_kernels", lambda: 3)
+    assert main(argv) == 0
+    assert "compiled" not in capsys.readouterr().err
 
 
 def test_cli_prompt_lookup_drafts_and_copies(capsys):

@@ -168,3 +168,30 @@ def test_pipelined_plain_rounds_booked_unevenly_cost_what_they_take(extra):
     assert abs(costs.cost(0) - r) < 0.1 * r, costs.cost(0)
     costs.update(0, 10 * r)  # an outlier moves it little
     assert abs(costs.cost(0) - r) < 0.15 * r, costs.cost(0)
+
+
+def test_what_auto_has_learned_is_said_in_one_sentence():
+    """`explain` (printed by `--verbose`): plain rounds of 4 ms, k = 1 rounds of 8 ms and a
+    first draft accepted half the time (49 of 98, Beta(1, 1) prior: 0.5) make a k = 1 round emit
+    1.5 tokens in twice a plain round's time, 0.75x plain: drafting does not pay. With k = 1
+    rounds of 5 ms and 0.9 acceptance (89 of 98: 0.9) a round emits 1.9 tokens in 1.25x the
+    time, 1.52x plain: it drafts k = 1. Before a drafting round is timed there is nothing to
+    say."""
+    from tinydraft_mlx.engine.policy import DraftLengthPolicy, explain
+
+    def policy(k1_seconds: float, accepted: float) -> DraftLengthPolicy:
+        p = DraftLengthPolicy()
+        costs = p.round_costs(1)
+        for _ in range(4):
+            costs.update(0, 0.004)
+            costs.update(1, k1_seconds)
+        held = p.acceptance("greedy")
+        held.accepted[0], held.reached[0] = accepted, 98.0
+        return p
+
+    slow = explain(policy(0.008, 49.0), "greedy")
+    assert "plain round costs 4.0 ms and a k = 1 round 8.0 ms" in slow
+    assert "accepted 50% of the time" in slow and "does not pay here (0.75x plain" in slow
+    fast = explain(policy(0.005, 89.0), "greedy")
+    assert "accepted 90%" in fast and "will draft k = 1 (1.52x plain" in fast
+    assert explain(DraftLengthPolicy(), "greedy") is None

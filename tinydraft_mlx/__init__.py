@@ -4,7 +4,15 @@ from .engine.backend import active_blas, preload_blas
 
 preload_blas()  # must precede the first `import mlx.core` (see backend.py)
 
-from .engine.drafters import Hybrid
+from .engine.drafters import (
+    HostDrafter,
+    HostProposal,
+    Hybrid,
+    Source,
+    register_drafter,
+    registered_drafters,
+    unregister_drafter,
+)
 from .engine.drafters.lookup import PromptLookup
 from .engine.drafters.mtp import MtpHead
 from .engine.policy import DraftLengthPolicy
@@ -25,6 +33,8 @@ __all__ = [
     "Finished",
     "DraftLengthPolicy",
     "GenerationResponse",
+    "HostDrafter",
+    "HostProposal",
     "Hybrid",
     "PromptCache",
     "PromptCacheError",
@@ -35,12 +45,16 @@ __all__ = [
     "Options",
     "ParameterError",
     "SamplingParams",
+    "Source",
     "Token",
     "generate",
     "load_head",
     "load_models",
     "make_options",
+    "register_drafter",
+    "registered_drafters",
     "stream_generate",
+    "unregister_drafter",
     "warp",
 ]
 __version__ = "0.2.0"

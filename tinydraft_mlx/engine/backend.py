@@ -228,3 +228,22 @@ def generation_stream():
     if name not in _streams:
         _streams[name] = mx.new_thread_local_stream(device)
     return _streams[name]
+
+
+def kernel_cache() -> Path | None:
+    """Where MLX's CPU backend keeps the kernels it compiled with the system compiler (Linux:
+    the temp directory's mlx/<version>/cpu; None elsewhere): a machine's first runs compile
+    them, which slows those runs down (several hundred kernels over the test suite)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import tempfile
+
+    import mlx.core as mx
+
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def compiled_kernels() -> int:
+    """How many kernels MLX's CPU kernel cache holds now (0 where there is none)."""
+    where = kernel_cache()
+    return sum(1 for _ in where.iterdir()) if where is not None and where.is_dir() else 0

@@ -339,8 +339,8 @@ def model_inputs(model: nn.Module, tokens: list[int] | mx.array) -> list[int] | 
     """`tokens` (a list, or an int32 array, kept lazy) made safe for `model`'s embedding: ids
     beyond its width become its last row. The draft meets them where the target's logits are
     wider (e.g. Qwen2.5-7B vs 0.5B): that only changes which q it proposes from; the target where
-    a wider draft proposes them (`speculative._verify`): such a proposal is never accepted. Never
-    the exactness of the output."""
+    a wider draft proposes them (the verify, `rounds.BatchDecoder._verify`): such a proposal is
+    never accepted. Never the exactness of the output."""
     width = vocab_width(model)
     if width is None:
         return tokens

@@ -289,3 +289,26 @@ def record_rounds(target: object, draft: object, regime: Hashable,
 
 def _regime_key(regime: Hashable) -> str:
     return json.dumps(regime if not isinstance(regime, tuple) else list(regime))
+
+
+def explain(policy: DraftLengthPolicy, regime: Hashable, rows: int = 1) -> str | None:
+    """One sentence on what k="auto" has learned for a pair (its costs at `rows` rows and its
+    acceptance in `regime`): what a plain and a drafting round cost, how often the first draft
+    is accepted, and which k that makes best, as a ratio to plain decoding. None before it has
+    timed a plain and a drafting round."""
+    costs = policy.round_costs(rows)
+    drafting = sorted(k for k in costs.timings if k > 0)
+    if costs.timed(0) < 2 or not drafting:
+        return None
+    alphas = policy.acceptance(regime).means()
+    plain = costs.cost(0)
+    rates = {k: expected_tokens(alphas, k) * plain / costs.cost(k)
+             for k in range(0, max(drafting) + 1)}
+    best = max(rates, key=lambda k: (rates[k], -k))
+    k = drafting[0]
+    verdict = (f"so it will draft k = {best} ({rates[best]:.2f}x plain decoding)" if best else
+               f"so drafting does not pay here ({max(rates[j] for j in drafting):.2f}x plain "
+               "at best): it will decode plainly, trying drafting now and then")
+    return (f'k="auto" has learned: a plain round costs {1000 * plain:.1f} ms and a k = {k} '
+            f"round {1000 * costs.cost(k):.1f} ms on this machine, the draft's first token is "
+            f"accepted {alphas[0]:.0%} of the time, {verdict}")

@@ -157,13 +157,12 @@ def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None
 
 class BatchDecoder:
     """Rounds of speculative decoding over a changing batch of sequences (see the module
-    docstring). `draft`: the draft model that model-backed sources use (None: none may), or
-    a head of the target (hidden.StateHead; the MTP layer attached to the target is used either
-    way, and any other head of it may join with a sequence). `max_kv_size`: every sequence's
-    caches bounded as `make_cache` bounds one (then k may be at most `max_k`, the rollback
-    margin). `prefill_step`: prompt tokens
-    prefilled per `step()`. `single`: hold one sequence at a time (also where the models cannot
-    be batched)."""
+    docstring). `draft`: what the names "model" and "hybrid" draft with (a draft model or a
+    head of the target; None: they are refused); any head of the target (its MTP layer, an
+    EAGLE-3 head) and any host drafter may join with a sequence too. `max_kv_size`: every
+    sequence's caches bounded as `make_cache` bounds one (then k may be at most `max_k`, the
+    rollback margin). `prefill_step`: prompt tokens prefilled per `step()`. `single`: hold one
+    sequence at a time (also where the models cannot be batched)."""
 
     def __init__(self, target: nn.Module, draft: nn.Module | None = None, *,
                  max_kv_size: int | None = None, max_k: int = AUTO_MAX_K,

@@ -14,12 +14,12 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from ..engine.backend import active_blas, device_name
+from ..engine.backend import active_blas, compiled_kernels, device_name
 from ..engine.distributed import DesyncError, GroupError, ranks_of
 from ..engine.forward import PREFILL_STEP
-from ..engine.policy import DEFAULT_K
+from ..engine.policy import AUTO, DEFAULT_K, explain, sampling_regime
 from ..engine.pruning import VocabError
 from ..engine.sampling import ParameterError
 from ..generation.api import stream_generate
@@ -212,8 +212,14 @@ def main(argv: list[str] | None = None) -> int:
               f"k={options.k}; {options.sampling}; {device_name()} backend, BLAS: "
               f"{active_blas()}{where}",
               file=sys.stderr)
+    kernels = compiled_kernels()
     try:
-        code = _stream_text(steps, quiet)
+        code = _stream_text(steps, quiet, explained=args.verbose and options.k == AUTO,
+                            regime=sampling_regime(options.sampling))
+        compiled = compiled_kernels() - kernels
+        if args.verbose and not quiet and compiled > 0:
+            print(f"(MLX compiled {compiled} CPU kernels during this run, once per machine: the "
+                  "speed above includes that; the next runs are faster)", file=sys.stderr)
     except DesyncError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1
@@ -229,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _stream_text(steps, quiet: bool = False) -> int:
+def _stream_text(steps, quiet: bool = False, explained: bool = False,
+                 regime: Any = None) -> int:
     """Print text as tokens are accepted, then the stats line on stderr (nothing when `quiet`:
-    the other ranks of a distributed run). Ctrl-C stops cleanly (the generator is closed, so its
-    caches are rolled back) with status 130."""
+    the other ranks of a distributed run), and with `explained` what k="auto" has learned (its
+    policy in sampling `regime`). Ctrl-C stops cleanly (the generator is closed, so its caches
+    are rolled back) with status 130."""
     stats, code = None, 0
     try:
         for response in steps:
@@ -246,6 +254,9 @@ def _stream_text(steps, quiet: bool = False) -> int:
         print(flush=True)
         if stats is not None:
             print(stats.summary(), file=sys.stderr)
+        why = explain(stats.policy, regime) if explained and stats and stats.policy else None
+        if why is not None:
+            print(why, file=sys.stderr)
     return code
 
 

@@ -332,8 +332,8 @@ class Service:
 
     def draft_choices(self) -> list[str]:
         """The names a request's `draft` may take: every registered drafter these models can
-        draft with (engine/drafters.py: "model", "hybrid", "mtp", "eagle3", "prompt-lookup",
-        "none", plug-ins), the server's own drafter's first."""
+        draft with (engine/drafters/registry.py: "model", "hybrid", "mtp", "eagle3",
+        "prompt-lookup", "none", plug-ins), the server's own drafter's first."""
         names = drafter_names(self.worker.draft, self.worker.target)
         own = self.defaults.draft
         return [own] + [n for n in names if n != own] if own in names else names
