@@ -122,6 +122,31 @@ def windowed_logits(model, ids, window: int, keep: int = 4) -> np.ndarray:
     return np.array(model(mx.array([ids]), cache=cache)[0].astype(mx.float32)).astype(np.float64)
 
 
+def prefilled(make_decoder, ids: list[int], draft):
+    """A prompt cache holding `ids` for `draft` (a `draft` argument, resolved in the context of
+    a decoder from `make_decoder()`), filled by the engine itself: rows that start from copies
+    of it (`insert_from`) skip the prefill, the bulk of a short row's cost."""
+    from tinydraft_mlx import PromptCache
+    from tinydraft_mlx.engine.drafters import resolve_drafter
+    from tinydraft_mlx.generation.batching import record_caches
+
+    decoder = make_decoder()
+    source = resolve_drafter(draft, decoder.draft, decoder.target)
+    uid = decoder.insert(ids, draft=source, k=1, max_tokens=1, keep_caches=True)
+    drain(decoder)
+    cache = PromptCache(decoder.target, source)
+    assert record_caches(cache, decoder.remove(uid), ids, [])
+    return cache
+
+
+def insert_from(decoder, cache, ids: list[int], **kwargs) -> int:
+    """Insert `ids` into `decoder` on a copy of `cache`'s caches (`prefilled`)."""
+    row = cache.copy()
+    row.reuse(ids)
+    return decoder.insert(ids, target_cache=row.target_cache, draft_cache=row.draft_cache,
+                          **kwargs)
+
+
 def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, companions,
                                prompts: list[list[int]], exact: dict, wrong: dict,
                                batches: int = 30, rows: int = 40, every: int = 20) -> None:
@@ -133,11 +158,13 @@ def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, co
     from collections import Counter
 
     counts, paths = Counter(), Counter()
+    cache = prefilled(make_decoder, ids, draft)
     for batch in range(batches):
         decoder = make_decoder()
         uids = []
         for j in range(rows):
-            uids.append(decoder.insert(ids, draft=draft, k=2, max_tokens=3, sampling=sampling))
+            uids.append(insert_from(decoder, cache, ids, draft=draft, k=2, max_tokens=3,
+                                    sampling=sampling))
             if j % every == 0:
                 s, kind, k = companions[(batch + j // every) % len(companions)]
                 decoder.insert(prompts[j // every], draft=kind, k=k, max_tokens=4 + j // 8,

@@ -20,7 +20,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.reference import chi2_statistic, chi2_threshold, drain_first_two, warp_np
+from tests.reference import (
+    chi2_statistic,
+    chi2_threshold,
+    drain_first_two,
+    insert_from,
+    prefilled,
+    warp_np,
+)
 from tests.scripted import scripted
 from tests.test_api import PENALTIES, _reference_with_processors
 from tinydraft_mlx import (
@@ -266,13 +273,13 @@ def test_a_pruned_draft_in_a_batch(pair, refs):
 # -- sampling -----------------------------------------------------------------------------------
 
 N = 2400
-ROWS = 16  # sequences under test per batch, beside companions of other settings
+ROWS = 48  # sequences under test per batch, beside companions of other settings
 PROMPT = "def parse_args(self, args=None):"
 
 
 @pytest.mark.parametrize("seeded", [True, False])
 def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle, seeded):
-    """Every batch: 16 sequences at T=1, top-p 0.8, k=2 and companions at other settings
+    """Every batch: 48 sequences at T=1, top-p 0.8, k=2 and 4 companions at other settings
     (greedy, T=0.5, T=1.5 with top-k 20, prompt lookup at T=0.7, k=auto), all finishing at
     different times. The test sequences' first two tokens follow the exact joint; the joint
     without top-p is rejected (the samples can tell them apart). Seeded sequences draw with
@@ -294,16 +301,18 @@ def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle, s
                   (SamplingParams(1.5, top_k=20), "model", 4),
                   (SamplingParams(0.7), "prompt-lookup", 2)]
     counts, paths = Counter(), Counter()
+    cache = prefilled(lambda: BatchDecoder(target, draft), ids, "model")  # rows start from copies
     for batch in range(N // ROWS):
         decoder = BatchDecoder(target, draft)
         uids = []
         for j in range(ROWS):
             sampling = SamplingParams(1.0, top_p=0.8, seed=batch * ROWS + j if seeded else None)
-            uids.append(decoder.insert(ids, draft="model", k=2, max_tokens=3, sampling=sampling))
-            if j % 4 == 0:
-                s, kind, k = companions[(batch + j // 4) % len(companions)]
-                decoder.insert(tok.encode(TEXTS[j // 4]), draft=kind, k=k,
-                               max_tokens=2 + j // 2, sampling=s)
+            uids.append(insert_from(decoder, cache, ids, draft="model", k=2, max_tokens=3,
+                                    sampling=sampling))
+            if j % 12 == 0:
+                s, kind, k = companions[(batch + j // 12) % len(companions)]
+                decoder.insert(tok.encode(TEXTS[j // 12]), draft=kind, k=k,
+                               max_tokens=2 + j // 6, sampling=s)
         drain_first_two(decoder, uids, counts, paths)
     n = sum(counts.values())
     assert paths["accepted"] > 0 and paths["rejected"] > 0, paths  # both paths shape the pair

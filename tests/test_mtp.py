@@ -299,7 +299,7 @@ def test_batches_equal_the_oracle(mtp, family):
 
 def test_sampled_first_two_tokens_inside_mixed_batches(mtp):
     """Qwen3-Next target, T = 1 top-p 0.8, k = 2, MTP rows: 1,200 rows' first two tokens (in
-    batches of 40 beside greedy, seeded, draft-model and prompt-lookup companions) against the
+    batches of 100 beside greedy, seeded, draft-model and prompt-lookup companions) against the
     oracle's exact joint; the joint without top-p is rejected by the same samples."""
     _, (target, head, tok), draft, refs, oracle = mtp["qwen3_next"]
     ids = refs[2][0]
@@ -309,7 +309,8 @@ def test_sampled_first_two_tokens_inside_mixed_batches(mtp):
                   (SamplingParams(0.9), "prompt-lookup", 2)]
     check_first_two_in_batches(lambda: BatchDecoder(target, draft), ids, "mtp",
                                SamplingParams(1.0, top_p=0.8), companions,
-                               [refs[0][0], refs[1][0]], joint, wrong)
+                               [refs[0][0], refs[1][0]], joint, wrong, batches=12, rows=100,
+                               every=50)
 
 
 def test_a_seeded_row_does_not_depend_on_its_batch(mtp):

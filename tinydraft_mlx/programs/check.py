@@ -52,6 +52,7 @@ from ..engine.drafters import resolve_drafter
 from ..engine.drafters.mtp import MTP
 from ..engine.forward import forward, prefill
 from ..engine.policy import record_rounds, sampling_regime
+from ..engine.rounds import BatchDecoder
 from ..engine.sampling import ParameterError, SamplingParams, check_int, warp
 from ..generation.api import generate, stream_generate
 from ..generation.loading import (
@@ -262,20 +263,44 @@ def sampling_check(target, draft, tok, prompts, sampling: SamplingParams, sample
     firsts = [_first_distributions(target, draft, ids, sampling) for ids in prompts]
     chosen = min(range(len(prompts)), key=lambda i: firsts[i][1])
     ids, (probs, overlap) = prompts[chosen], firsts[chosen]
-    cache = PromptCache(target, draft)
-    counts, paths = Counter(), Counter()
     start = time.perf_counter()
-    for _ in range(samples):
-        out, stats = generate(target, draft, tok, ids, k=k, max_tokens=k + 1,
-                              temperature=sampling.temperature, top_p=sampling.top_p,
-                              top_k=sampling.top_k, min_p=sampling.min_p, prompt_cache=cache)
-        counts[out[0]] += 1
-        paths["accepted" if stats.accepted else "resampled"] += 1
+    counts, paths = first_tokens(target, draft, tok, ids, sampling, samples, k)
     stat, df = chi_square(counts, probs, samples)
     return {"p_value": chi2_p_value(stat, df), "statistic": stat, "df": df, "samples": samples,
             "prompt": chosen, "first_acceptance_probability": overlap,
             "first_token_paths": dict(paths), "seconds": time.perf_counter() - start,
             "support": int((probs > 0).sum())}
+
+
+def first_tokens(target, draft, tok, ids: list[int], sampling: SamplingParams, samples: int,
+                 k: int, rows: int = 100) -> tuple[Counter, Counter]:
+    """The first token after `ids` of `samples` unseeded sequences drafting k in their first
+    round, and which path gave it ("accepted" draft or "resampled"), run `rows` at a time as
+    the sequences of one batch (the engine the server runs; each row draws with its own
+    uniforms, so the samples are independent). Every row starts from a copy of the prompt's
+    caches, prefilled once."""
+    drafter = resolve_drafter(draft, target=target)
+    cache = PromptCache(target, draft)
+    generate(target, draft, tok, ids, k=k, max_tokens=1, prompt_cache=cache)  # the prompt in
+    counts, paths = Counter(), Counter()
+    for begin in range(0, samples, rows):
+        decoder = BatchDecoder(target, drafter.model, max_k=max(1, k))
+        uids = []
+        for _ in range(min(rows, samples - begin)):
+            row = cache.copy()
+            row.reuse(ids)
+            uids.append(decoder.insert(ids, draft=resolve_drafter(draft, target=target), k=k,
+                                       max_tokens=k + 1, sampling=sampling,
+                                       target_cache=row.target_cache,
+                                       draft_cache=row.draft_cache))
+        firsts = {}
+        while len(decoder):
+            for uid, tokens in decoder.step().items():
+                firsts.setdefault(uid, tokens[0])
+        for uid in uids:
+            counts[firsts[uid].id] += 1
+            paths["accepted" if firsts[uid].from_draft else "resampled"] += 1
+    return counts, paths
 
 
 def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k) -> dict:
