@@ -95,19 +95,26 @@ def drain_first_two(decoder, uids: list[int], counts, paths) -> None:
         paths["accepted" if stats[uid].accepted else "rejected"] += 1
 
 
-def check_first_two_tokens(run, n: int, exact: dict, wrong: dict) -> None:
-    """Sample the first two tokens `n` times (`run(seed)` -> (tokens, stats) of a k=2
-    generation) and assert: both the accept and the resample path occurred, the chi-square
-    against the exact joint is below the threshold, and against the wrong joint above it (the
-    samples can tell them apart)."""
+def check_first_two_tokens(make_decoder, ids: list[int], draft, n: int, exact: dict,
+                           wrong: dict, rows: int = 100, **insert) -> None:
+    """Sample the first two tokens after `ids` in `n` rows drafting k = 2 with `draft` (rows
+    `rows` at a time in decoders from `make_decoder()`, each from a copy of the prompt's
+    prefilled caches; row i seeded with i; `insert`: more arguments of every row, its sampling
+    settings as `sampling(seed)`) and assert: both the accept and the resample path occurred,
+    the chi-square against the exact joint is below the threshold, and against the wrong joint
+    above it (the samples can tell them apart)."""
     from collections import Counter
 
+    sampling = insert.pop("sampling")
+    cache = prefilled(make_decoder, ids, draft)
     counts, paths = Counter(), Counter()
-    for seed in range(n):
-        out, stats = run(seed)
-        counts[tuple(out[:2])] += 1
-        paths[stats.accepted] += 1
-    assert paths[0] > 0 and paths[1] + paths[2] > 0, paths
+    for begin in range(0, n, rows):
+        decoder = make_decoder()
+        uids = [insert_from(decoder, cache, ids, draft=draft, k=2, max_tokens=3,
+                            sampling=sampling(seed), **insert)
+                for seed in range(begin, min(n, begin + rows))]
+        drain_first_two(decoder, uids, counts, paths)
+    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_threshold(df), (stat, df)
     wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)

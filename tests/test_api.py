@@ -12,7 +12,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from tests.reference import check_first_two_tokens, warp_np
-from tinydraft_mlx import GenerationResponse, PromptCache, generate, load_models, stream_generate
+from tinydraft_mlx import (
+    BatchDecoder,
+    GenerationResponse,
+    PromptCache,
+    SamplingParams,
+    generate,
+    load_models,
+    make_options,
+    stream_generate,
+)
 from tinydraft_mlx.engine.cache import cache_length
 from tinydraft_mlx.generation.text import StopStrings
 
@@ -142,13 +151,11 @@ def test_repetition_penalty_sampling_follows_oracle(pair, oracle):
     exact = joint(penalised)
     plain = joint(lambda h: warp_np(oracle.logits(h)[-1], temperature=1.0, top_p=0.9))
     assert 10 < len(exact) < 2000  # a real distribution, small enough to be sampled well
-    cache = PromptCache(target, draft)  # the prompt prefilled once for every sample
-    check_first_two_tokens(
-        lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, temperature=1.0,
-                              top_p=0.9, seed=seed, repetition_penalty=penalty,
-                              logits_processors=[boost_successor],
-                              repetition_context_size=context, prompt_cache=cache),
-        n, exact, plain)
+    processors = make_options(repetition_penalty=penalty, logits_processors=[boost_successor],
+                              repetition_context_size=context).processors()
+    check_first_two_tokens(lambda: BatchDecoder(target, draft), ids, "model", n, exact, plain,
+                           sampling=lambda seed: SamplingParams(1.0, top_p=0.9, seed=seed),
+                           logits_processors=processors)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

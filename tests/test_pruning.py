@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.reference import check_first_two_tokens, warp_np
-from tinydraft_mlx import ParameterError, PromptCache, generate, load_models
+from tinydraft_mlx import BatchDecoder, ParameterError, SamplingParams, generate, load_models
 from tinydraft_mlx.engine.pruning import (
     DEMO_COUNTS,
     PrunedDraft,
@@ -179,11 +179,8 @@ def test_first_two_sampled_tokens_follow_the_oracle_with_a_pruned_draft(pruned_p
     exact, wrong = joint(**warp_kw), joint(temperature=1.0)
     kept = set(draft.kept)
     assert sum(v for (a, _), v in exact.items() if a not in kept) > 0.01  # mass q never has
-    cache = PromptCache(target, draft)  # the prompt prefilled once for every sample
-    check_first_two_tokens(
-        lambda seed: generate(target, draft, tok, ids, k=2, max_tokens=3, seed=seed,
-                              prompt_cache=cache, **warp_kw),
-        1500, exact, wrong)
+    check_first_two_tokens(lambda: BatchDecoder(target, draft), ids, "model", 1500, exact,
+                           wrong, sampling=lambda seed: SamplingParams(**warp_kw, seed=seed))
 
 
 def test_load_models_prunes_and_the_cli_flag(demo, capsys):
