@@ -26,7 +26,7 @@ demo: $(VENV)/.demo
 	HF_HUB_OFFLINE=1 $(PY) -m tinydraft_mlx.generate --prompt "$$DEMO_PROMPT" --max-tokens 64 --verbose
 
 test: $(VENV)/.installed
-	$(VENV)/bin/ruff check tinydraft_mlx tests bench
+	$(VENV)/bin/ruff check tinydraft_mlx tests bench training
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 clean:

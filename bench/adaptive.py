@@ -1,7 +1,7 @@
 """k="auto" against every fixed k, and prompt-lookup drafting against plain decoding.
 
     S=~/.cache/tinydraft-mlx/shapes
-    python bench/adaptive.py --target $S/1.5B --draft $S/0.5B --alphas 0 0.3 0.5 0.7 0.9 \\
+    python -m bench.adaptive --target $S/1.5B --draft $S/0.5B --alphas 0 0.3 0.5 0.7 0.9 \\
         --ks 1 2 3 --prompts 1 --max-tokens 40
 
 Part 1 (needs the Qwen2.5-shaped checkpoints, bench/qwen_shapes.py): the oracle-acceptance draft
@@ -23,10 +23,9 @@ import json
 import statistics
 from pathlib import Path
 
-from common import ROOT, machine, pyplot, save
-from oracle_draft import OracleDraft
-
-from bench import PROMPTS, ours
+from bench.common import ROOT, machine, pyplot, save
+from bench.oracle_draft import OracleDraft
+from bench.speed import PROMPTS, ours
 from tinydraft_mlx import active_blas, load_models
 from tinydraft_mlx.engine.backend import default_dtype
 

@@ -1,8 +1,8 @@
 """k="auto" against plain decoding and every fixed k, warm and cold: does it earn the default?
 
-    python bench/auto.py                                   # the demo pair (about 6 minutes)
+    python -m bench.auto                                   # the demo pair (about 6 minutes)
     S=~/.cache/tinydraft-mlx/shapes
-    python bench/auto.py --target $S/1.5B --draft $S/0.5B --alphas 0.0 0.5 0.9 --prompts 1 \\
+    python -m bench.auto --target $S/1.5B --draft $S/0.5B --alphas 0.0 0.5 0.9 --prompts 1 \\
         --max-tokens 24 --temps 0.0 --repeats 1 --name auto_shapes
 
 Cells: the real draft at each temperature (above 0 with top-p 0.8 and top-k 20, Qwen2.5-Instruct's
@@ -16,8 +16,8 @@ over prompts x repeats.
 
 Writes results/<name>.json and results/<name>.png.
 
-    python bench/auto.py --fresh [REPEATS]                 # 5 repeats: ~20 minutes
-    python bench/auto.py --fresh-policy [ROUNDS]           # 24 rounds: ~8 minutes
+    python -m bench.auto --fresh [REPEATS]                 # 5 repeats: ~20 minutes
+    python -m bench.auto --fresh-policy [ROUNDS]           # 24 rounds: ~8 minutes
 
 Fresh processes, as every CLI run is: each contender (plain, k = 1..4, "auto, no file" with the
 policy file off, "auto, file" with the policy file a previous process wrote) runs one prompt x
@@ -42,7 +42,7 @@ models' fingerprints) and it reads the cell's policy file, which a previous proc
 generation before the rounds) and every "auto, file" generation writes in turn, as consecutive
 CLI runs do.
 
-    python bench/auto.py --fresh-prompts [ROUNDS]          # 30 rounds: ~8 minutes
+    python -m bench.auto --fresh-prompts [ROUNDS]          # 30 rounds: ~8 minutes
 
 The same with every prompt of bench.py's PROMPTS in turn (`--fresh-prompts`), one per round: the
 bar above is one prompt's, whose draft's acceptance rises from ~0.65 over its first 64 tokens to
@@ -50,7 +50,7 @@ bar above is one prompt's, whose draft's acceptance rises from ~0.65 over its fi
 them, R(1) / R(0) ~2) is what a user's first runs get;
 results/auto_fresh_prompts.*.
 
-    python bench/auto.py --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
+    python -m bench.auto --warm-policy [ROUNDS]            # 24 rounds: ~4 minutes
 
 A warm policy in one process (`--warm-policy`): the same, but the pair's policy is kept: it has
 generated each of WARM_TEXTS prompts twice before the rounds, and every round takes the next
@@ -68,10 +68,9 @@ import statistics
 import time
 from pathlib import Path
 
-from common import machine, model_dtype, pair_parser, pyplot, save
-from oracle_draft import OracleDraft
-
-from bench import PROMPTS, decode_rate, ours
+from bench.common import machine, model_dtype, pair_parser, pyplot, save
+from bench.oracle_draft import OracleDraft
+from bench.speed import PROMPTS, decode_rate, ours
 from tinydraft_mlx import active_blas, load_models, stream_generate
 from tinydraft_mlx.engine import policy as policy_module
 
@@ -241,7 +240,7 @@ def fresh_main(repeats: int = 5) -> None:
 
 def fresh_report(runs: list[dict]) -> None:
     """results/auto_fresh.* from the runs of `fresh_main` (also from the lines it printed:
-    `python bench/auto.py --fresh-from LOG`)."""
+    `python -m bench.auto --fresh-from LOG`)."""
     cells = []
     for cell, temp in FRESH_CELLS:
         mine = {c: [r for r in runs if r["contender"] == c

@@ -1,6 +1,6 @@
 """Batched decoding: aggregate and per-sequence tokens/s against the batch size.
 
-    python bench/batch.py            # ~8 minutes on a 2-core machine; results/batch.json, .png
+    python -m bench.batch            # ~8 minutes on a 2-core machine; results/batch.json, .png
 
 Contenders, each (contender, B, temperature) in a fresh process (one generation stream per
 process: two in one slow both), interleaved: mlx-lm's `batch_generate` (no draft: mlx-lm turns
@@ -40,8 +40,7 @@ def prompts(size: int) -> list[str]:
 
 
 def worker(contender: str, size: int, temperature: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
 
     import mlx.core as mx
     from mlx_lm.generate import batch_generate as mlx_batch
@@ -87,15 +86,13 @@ def worker(contender: str, size: int, temperature: float) -> dict:
 
 
 def run(contender: str, size: int, temperature: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import in_fresh_process
+    from bench.common import in_fresh_process
 
     return in_fresh_process(__file__, contender, size, temperature)
 
 
 def plot(report: dict, path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import finish_figure, pyplot
+    from bench.common import finish_figure, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(6 * len(TEMPERATURES), 4.2))
@@ -117,8 +114,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import save
+    from bench.common import save
 
     runs, start = [], time.time()
     jobs = [("single", 1, t) for t in TEMPERATURES]

@@ -1,8 +1,8 @@
 """Batched decoding on the real Qwen2.5 shapes (random weights, bench/qwen_shapes.py) with an
 oracle draft of known acceptance: where the CPU's verify cost curve takes the gain away.
 
-    python bench/qwen_shapes.py 0.5B 1.5B      # once: ~8 GB under ~/.cache/tinydraft-mlx/shapes
-    python bench/batch_shapes.py               # ~15 minutes on a 2-core machine;
+    python -m bench.qwen_shapes 0.5B 1.5B      # once: ~8 GB under ~/.cache/tinydraft-mlx/shapes
+    python -m bench.batch_shapes               # ~15 minutes on a 2-core machine;
                                                # results/batch_shapes.json, .png
 
 A 1.5B-shaped target and a 0.5B-shaped draft (float32, MKL), B in {1, 4} copies of one prompt
@@ -34,11 +34,10 @@ PROMPT = "def parse_args(argv=None):\n    parser = argparse.ArgumentParser("
 
 
 def worker(contender: str, size: int, alpha: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
 
     from mlx_lm.generate import batch_generate as mlx_batch
-    from oracle_draft import BatchOracleDraft
+    from bench.oracle_draft import BatchOracleDraft
 
     from tinydraft_mlx import batch_generate, generate, load_models
 
@@ -67,15 +66,13 @@ def worker(contender: str, size: int, alpha: float) -> dict:
 
 
 def run(contender: str, size: int, alpha: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import in_fresh_process
+    from bench.common import in_fresh_process
 
     return in_fresh_process(__file__, contender, size, alpha)
 
 
 def plot(report: dict, path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import finish_figure, pyplot
+    from bench.common import finish_figure, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(ALPHAS), figsize=(6 * len(ALPHAS), 4.2))
@@ -99,8 +96,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import save
+    from bench.common import save
 
     runs, start = [], time.time()
     jobs = [(c, b, 0.5) for b in SIZES for c in ("mlx_lm", "plain")]

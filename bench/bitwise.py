@@ -2,7 +2,7 @@
 demo target, plain and with the draft model (fixed k and k="auto"), in the default mode and with
 bitwise=True, each contender in a process of its own.
 
-    python bench/bitwise.py                 # ~2 min here
+    python -m bench.bitwise                 # ~2 min here
 
 Per contender: decode tokens/s (median over prompts), and against plain decoding in the same
 mode: prompts whose tokens are equal, and the largest |log-probability difference| at any
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import in_fresh_process, machine, model_dtype, pyplot, save
-from demo_quality import held_out_prompts
 
+from bench.common import in_fresh_process, machine, model_dtype, pyplot, save
+from bench.demo_quality import held_out_prompts
 from tinydraft_mlx import load_models, stream_generate
 from tinydraft_mlx.engine.bitwise import ROWS
 
@@ -91,7 +91,7 @@ def main() -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    from common import finish_figure
+    from bench.common import finish_figure
 
     plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))

@@ -1,7 +1,7 @@
 """Bounded vs unbounded KV cache over a long generation on the demo pair: cache bytes, process
 peak memory and tokens/s along the run, speculative and plain.
 
-    python bench/bounded_memory.py     # ~6 min on 2 CPU cores; writes results/bounded_memory.*
+    python -m bench.bounded_memory     # ~6 min on 2 CPU cores; writes results/bounded_memory.*
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, model_dtype
 
+from bench.common import machine, model_dtype
 from tinydraft_mlx import load_models
 from tinydraft_mlx.engine.cache import make_cache
 from tinydraft_mlx.engine.speculative import decode

@@ -43,10 +43,18 @@ def model_dtype(model) -> str:
     return "/".join(floats) + (f", {'/'.join(map(str, bits))}-bit quantized" if bits else "")
 
 
-def command(script: str, settings: dict) -> str:
-    """The command line of bench/<script> that gives `settings` (argparse destinations, in
-    order): a list as its values, True as the bare flag, False left out."""
-    parts = [f"python bench/{script}"]
+def module_of(script: str | Path) -> str:
+    """The module a script of this repository runs as (`python -m <module>` from its root):
+    bench/batch.py -> bench.batch."""
+    path = Path(script).resolve()
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def command(script: str | Path, settings: dict) -> str:
+    """The command line of `script` (its path, or its module) that gives `settings` (argparse
+    destinations, in order): a list as its values, True as the bare flag, False left out."""
+    module = module_of(script) if str(script).endswith(".py") else str(script)
+    parts = [f"python -m {module}"]
     for name, value in settings.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -100,9 +108,12 @@ def pair_parser(description: str, *, prompts: int, max_tokens: int) -> argparse.
 
 
 def in_fresh_process(script: str, *args: object, timeout: float = 900) -> dict:
-    """Run `python script --worker ARGS...` offline in a process of its own (one generation stream
-    per process: two in one slow both) and return the JSON its last line of output holds."""
+    """Run `python -m <script's module> --worker ARGS...` offline in a process of its own (one
+    generation stream per process: two in one slow both) and return the JSON its last line of
+    output holds."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, script, "--worker", *map(str, args)], env=env,
-                          check=True, capture_output=True, text=True, timeout=timeout)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", module_of(script), "--worker",
+                           *map(str, args)], env=env, cwd=ROOT, check=True,
+                          capture_output=True, text=True, timeout=timeout)
     return json.loads(done.stdout.strip().splitlines()[-1])

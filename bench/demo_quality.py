@@ -1,7 +1,7 @@
 """Quality bars of the bundled demo pair: held-out acceptance (greedy, T=0.7, T=1.0, k=4), the
 per-position acceptance curve, plain vs speculative tokens/s side by side, and greedy samples.
 
-    python bench/demo_quality.py     # ~5 min; writes results/demo_quality.{json,png}
+    python -m bench.demo_quality     # ~5 min; writes results/demo_quality.{json,png}
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from common import machine, model_dtype
-
+from bench.common import machine, model_dtype
 from tinydraft_mlx import generate, load_models
 
 ROOT = Path(__file__).resolve().parents[1]

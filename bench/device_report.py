@@ -1,7 +1,7 @@
 """The suite's JUnit XML from a device run (`bench/device_run.sh`) as results/device_<device>.json:
 counts, every failure and error with its traceback, the device and the versions.
 
-    python bench/device_report.py OUT/junit.xml --device gpu --versions OUT/versions.json \\
+    python -m bench.device_report OUT/junit.xml --device gpu --versions OUT/versions.json \\
         --out results/device_gpu.json
 """
 

@@ -74,13 +74,13 @@ print(json.dumps({"python": sys.version.split()[0], "platform": platform.platfor
 EOF
     timeout "$SUITE_SECONDS" $py -m pytest -q -p no:cacheprovider -o junit_logging=all \
         --junitxml="$OUT/junit.xml" $TESTS > "$OUT/pytest.log" 2>&1
-    $py bench/device_report.py "$OUT/junit.xml" --device "$DEVICE" \
+    $py -m bench.device_report "$OUT/junit.xml" --device "$DEVICE" \
         --versions "$OUT/versions.json" --out "$OUT/device_$DEVICE.json"
     # the first figures, in the time left (bench/batch.py writes results/batch.json)
-    timeout 90 $py bench/batch.py > "$OUT/batch.log" 2>&1 && cp results/batch.json "$OUT/"
+    timeout 90 $py -m bench.batch > "$OUT/batch.log" 2>&1 && cp results/batch.json "$OUT/"
     # the bit-for-bit mode's cost on this device, where time is left (results/bitwise.json)
     if [ "$SECONDS" -lt 500 ]; then
-        timeout 60 $py bench/bitwise.py --prompts 3 --max-tokens 64 > "$OUT/bitwise.log" 2>&1 \
+        timeout 60 $py -m bench.bitwise --prompts 3 --max-tokens 64 > "$OUT/bitwise.log" 2>&1 \
             && cp results/bitwise.json results/bitwise.png "$OUT/"
     fi
     ls -la "$OUT"

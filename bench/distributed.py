@@ -1,7 +1,7 @@
 """The target tensor-parallel over 2 local ranks vs one process: t_1, t_v(n), the draft step, the
 communication share of a target forward, and plain vs speculative speed.
 
-    python bench/distributed.py                        # demo pair, then the 1.5B / 0.5B shapes
+    python -m bench.distributed                        # demo pair, then the 1.5B / 0.5B shapes
 
 Each pair is measured in this process and as 2 ranks of `mlx.launch --backend ring --hosts
 127.0.0.1 -n 2` (this script again, with --rank-worker; one BLAS thread per rank). On one
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, pyplot, save
 
+from bench.common import machine, pyplot, save
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.engine.distributed import free_ports, ranks_of
 from tinydraft_mlx.programs.check import forward_ms, leviathan
@@ -93,7 +93,7 @@ def pairs() -> list[tuple[str, str | None, str | None]]:
         found.append(("Qwen2.5 shapes 0.5B -> 1.5B", str(SHAPES / "1.5B"), str(SHAPES / "0.5B")))
     else:
         print(f"skipping the Qwen2.5 shapes: {SHAPES} lacks 1.5B or 0.5B "
-              "(python bench/qwen_shapes.py 0.5B 1.5B)")
+              "(python -m bench.qwen_shapes 0.5B 1.5B)")
     return found
 
 

@@ -1,12 +1,12 @@
 """Draft-vocabulary pruning: draft step time and acceptance vs N.
 
-    python bench/draft_vocab.py                       # demo pair + the 0.5B shape ($S/0.5B)
+    python -m bench.draft_vocab                       # demo pair + the 0.5B shape ($S/0.5B)
 
 Demo pair (vocabulary 4096, counts shipped with it): for N = 512, 1024, 2048 and the full head,
 the draft's step time (one token through the draft with its cache, synced, median of --steps
 steps after a warm-up) and, on held-out prompts, greedy and T=1 acceptance and tokens/s of
 speculative decoding (k=--k), plus whether the greedy output equals plain decoding. Qwen2.5-0.5B
-shape (random weights, vocabulary 151,936; `python bench/qwen_shapes.py 0.5B`): the draft step
+shape (random weights, vocabulary 151,936; `python -m bench.qwen_shapes 0.5B`): the draft step
 time for N = 16k, 32k, 64k and full (which ids are kept does not change the time). All in one
 process, contenders interleaved. Writes results/draft_vocab.json and .png.
 """
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, model_dtype, pyplot, save
-from demo_quality import held_out_prompts
 
+from bench.common import machine, model_dtype, pyplot, save
+from bench.demo_quality import held_out_prompts
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.engine.cache import make_cache
 from tinydraft_mlx.engine.pruning import PrunedDraft, prune_draft
@@ -82,7 +82,7 @@ def demo(args) -> dict:
 def shape(args) -> dict | None:
     path = SHAPES / "0.5B"
     if not (path / "config.json").exists():
-        print(f"skipping the 0.5B shape: {path} missing (python bench/qwen_shapes.py 0.5B)")
+        print(f"skipping the 0.5B shape: {path} missing (python -m bench.qwen_shapes 0.5B)")
         return None
     draft, _ = load_model(path, "float32")
     width = draft.args.vocab_size

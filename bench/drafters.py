@@ -1,11 +1,11 @@
 """Every drafter side by side on the demo pair, and what a head's step costs on a real shape.
 
-    python bench/drafters.py      # ~15 minutes on a 2-core machine; results/drafters.json, .png
+    python -m bench.drafters      # ~15 minutes on a 2-core machine; results/drafters.json, .png
 
 Part 1, demo target (float32): plain decoding ("none"), the 0.9M draft model ("model"), prompt
 lookup ("lookup"), lookup + model ("hybrid"), the target's MTP layer ("mtp",
 demo/target/mtp.safetensors) and its EAGLE-3 head ("eagle3", demo/eagle3/), both trained by
-bench/train_heads.py. For k = 1..4, T in {0, 0.7 (top-p 0.8, top-k 20)} and B in {1, 8}: tokens
+training/train_heads.py. For k = 1..4, T in {0, 0.7 (top-p 0.8, top-k 20)} and B in {1, 8}: tokens
 per second, acceptance per draft position and the mean accepted length per drafting round, on
 8 held-out stdlib prompts (bench/demo_quality.py's: B = 1 decodes the first 3 one at a time,
 B = 8 all 8 in one batch), 64 tokens each. One process per (drafter, T, B), every k in it after
@@ -52,9 +52,8 @@ def _drafter(contender: str):
 
 
 def worker(contender: str, temperature: float, batch: int) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
-    from demo_quality import held_out_prompts
+    from bench.common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.demo_quality import held_out_prompts
 
     from tinydraft_mlx import batch_generate, generate
 
@@ -102,9 +101,8 @@ def worker(contender: str, temperature: float, batch: int) -> dict:
 
 def head_costs() -> dict:
     """Part 2 (see the module docstring), in this process."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
-    import hybrid_models
+    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench import hybrid_models
 
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -169,8 +167,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def plot(report: dict, path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import finish_figure, pyplot
+    from bench.common import finish_figure, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(15, 4.2), sharey=True)
@@ -193,8 +190,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import in_fresh_process, save
+    from bench.common import in_fresh_process, save
 
     runs, start = [], time.time()
     jobs = [(c, t, b) for _ in range(REPEATS) for t in TEMPERATURES for b in BATCHES

@@ -1,6 +1,6 @@
 """The hybrid drafter against its two sources and plain decoding, on editing and on fresh code.
 
-    python bench/hybrid.py          # ~8 minutes on a 2-core machine; results/hybrid.json, .png
+    python -m bench.hybrid          # ~8 minutes on a 2-core machine; results/hybrid.json, .png
 
 Workloads (demo pair, float32, 128 tokens per prompt): "editing", prompts that hold a file and
 ask for it back with a change (the continuation should copy most of the file: where n-gram
@@ -58,8 +58,7 @@ def prompts(workload: str) -> list[str]:
 
 
 def worker(contender: str, workload: str, temperature: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.common import machine, model_dtype  # noqa: I001  (before mlx.core: the BLAS preload)
 
     from tinydraft_mlx import Hybrid, generate, load_models
     from tinydraft_mlx.engine.drafters import HybridDraft
@@ -101,8 +100,7 @@ def worker(contender: str, workload: str, temperature: float) -> dict:
 
 
 def run(contender: str, workload: str, temperature: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import in_fresh_process
+    from bench.common import in_fresh_process
 
     return in_fresh_process(__file__, contender, workload, temperature)
 
@@ -127,8 +125,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def plot(report: dict, path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import pyplot
+    from bench.common import pyplot
 
     plt = pyplot()
     cells = [(w, t) for w in WORKLOADS for t in TEMPERATURES]
@@ -153,8 +150,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import save
+    from bench.common import save
 
     runs, start = [], time.time()
     jobs = [(c, w, t) for _ in range(REPEATS) for w in WORKLOADS for t in TEMPERATURES

@@ -1,7 +1,7 @@
 """Hybrid (recurrent + attention) targets: what rolling back their recurrent state costs, and
 what speculation gives on them.
 
-    python bench/hybrid_models.py     # ~15 minutes on a 2-core machine; results/hybrid_models.*
+    python -m bench.hybrid_models     # ~15 minutes on a 2-core machine; results/hybrid_models.*
 
 The target is a random Qwen3.5-shaped model: Qwen3.5-0.8B's layer shapes (hidden 1024, Gated
 DeltaNet layers with 16 key / 16 value heads of 128, full attention every 4th layer with 8 heads
@@ -77,14 +77,13 @@ def build() -> None:
 
 
 def worker(contender: str, batch: int, alpha: float) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
 
     import mlx.core as mx
     from mlx_lm.generate import batch_generate as mlx_batch
     from mlx_lm.generate import generate_step
 
-    from oracle_draft import BatchOracleDraft, OracleDraft
+    from bench.oracle_draft import BatchOracleDraft, OracleDraft
     from tinydraft_mlx import BatchDecoder, generate, load_models
     from tinydraft_mlx.engine.sampling import SamplingParams
 
@@ -132,11 +131,9 @@ def rollback_cost() -> dict:
     (evaluated), each timed over 20 repeats (medians); the tape's bytes after the verify."""
     import statistics
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import common  # noqa: F401, I001  (before mlx.core: the BLAS preload)
-
     import mlx.core as mx
 
+    from bench import common  # noqa: F401, I001  (before mlx.core: the BLAS preload)
     from tinydraft_mlx import load_models
     from tinydraft_mlx.engine.cache import make_cache, rollback
     from tinydraft_mlx.engine.forward import forward, prefill
@@ -189,8 +186,7 @@ def projected_bytes(shape: str, k: int, bytes_per: int = 2) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import pyplot
+    from bench.common import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -212,12 +208,11 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import in_fresh_process, machine, save
+    from bench.common import in_fresh_process, machine, save
 
     build()
     if not (DRAFT / "config.json").is_file():
-        raise SystemExit(f"{DRAFT} is missing: run python bench/qwen_shapes.py 40M first")
+        raise SystemExit(f"{DRAFT} is missing: run python -m bench.qwen_shapes 40M first")
     runs = []
     plan = [("mlx_lm", 1, 0.0), ("plain", 1, 0.0)]
     plan += [(str(k), 1, a) for a in (0.5, 0.9) for k in (1, 2, 3, 4)]

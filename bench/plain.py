@@ -1,7 +1,7 @@
 """Plain decoding, ours vs mlx-lm's `generate_step`, on the same model object.
 
-    python bench/plain.py                      # the demo target
-    python bench/plain.py --target $S/1.5B --max-tokens 24 --prompts 2
+    python -m bench.plain                      # the demo target
+    python -m bench.plain --target $S/1.5B --max-tokens 24 --prompts 2
 
 Greedy, the demo pair's held-out prompts, interleaved runs (who goes first rotates), median of
 --repeats x --prompts runs. "ours" is the token loop (`speculative.decode`), the counterpart of
@@ -18,11 +18,11 @@ import statistics
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, model_dtype, pyplot, save
-from demo_quality import held_out_prompts
 from mlx_lm.generate import generate_step
 
-from bench import decode_rate
+from bench.common import machine, model_dtype, pyplot, save
+from bench.demo_quality import held_out_prompts
+from bench.speed import decode_rate
 from tinydraft_mlx import load_models, stream_generate
 from tinydraft_mlx.engine.backend import generation_stream
 from tinydraft_mlx.engine.speculative import decode

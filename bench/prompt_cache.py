@@ -1,7 +1,7 @@
 """Second-turn prefill with and without a prompt cache, on a multi-turn conversation.
 
-    python bench/prompt_cache.py                                   # the demo pair
-    python bench/prompt_cache.py --target $S/1.5B --draft $S/0.5B --name prompt_cache_shapes
+    python -m bench.prompt_cache                                   # the demo pair
+    python -m bench.prompt_cache --target $S/1.5B --draft $S/0.5B --name prompt_cache_shapes
 
 Turn 1: a long prompt (a stdlib source file's head) and 32 generated tokens; turn 2: turn 1's
 prompt + output + a new message. Turn 2's prefill is timed (and the whole turn) with a
@@ -18,8 +18,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from common import machine, model_dtype, pyplot, save
-
+from bench.common import machine, model_dtype, pyplot, save
 from tinydraft_mlx import PromptCache, generate, load_models
 
 

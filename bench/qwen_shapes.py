@@ -1,8 +1,8 @@
 """Random-weight checkpoints with the real Qwen2.5 shapes, for measuring costs (t_d, t_1, t_v(n))
 where the real weights cannot be downloaded.
 
-    python bench/qwen_shapes.py 0.5B 1.5B 3B    # writes ~/.cache/tinydraft-mlx/shapes/<size>/
-    python bench/qwen_shapes.py 250M 40M         # a small pair for bench/auto.py
+    python -m bench.qwen_shapes 0.5B 1.5B 3B    # writes ~/.cache/tinydraft-mlx/shapes/<size>/
+    python -m bench.qwen_shapes 250M 40M         # a small pair for bench/auto.py
 
 Weights are float32 N(0, 0.02), written one tensor at a time (a 3B model is 12 GB), with the
 bundled demo tokenizer so any two shapes form a valid target/draft pair. Outputs stay outside git.

@@ -14,12 +14,12 @@ def auto(r: dict) -> list[str]:
     if s.get("target"):  # another pair than the demo's: name it and give the whole command
         pair = (f"{Path(s['draft']).name} -> {Path(s['target']).name} (random weights, oracle "
                 "draft)")
-        command = (f"python bench/auto.py --target $S/{Path(s['target']).name} --draft "
+        command = (f"python -m bench.auto --target $S/{Path(s['target']).name} --draft "
                    f"$S/{Path(s['draft']).name} --alphas {' '.join(map(str, s['alphas']))} "
                    f"--prompts {s['prompts']} --max-tokens {s['max_tokens']} --temps "
                    f"{' '.join(map(str, s['temps']))} --repeats {s['repeats']} --name {name}")
     else:
-        pair, command = "demo pair", f"python bench/auto.py --repeats {s['repeats']}"
+        pair, command = "demo pair", f"python -m bench.auto --repeats {s['repeats']}"
     lines = [
         f"**k=\"auto\" vs plain and fixed k, {pair}** (`{command}`; "
         f"{s['dtype']}, {s['prompts']} prompts x {s['max_tokens']} tokens x "
@@ -50,7 +50,7 @@ def fresh(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     names = list(r["cells"][0]["tok_s"])
     lines = [
-        f"**k=\"auto\" in fresh processes** (`python bench/auto.py --fresh`; demo pair, "
+        f"**k=\"auto\" in fresh processes** (`python -m bench.auto --fresh`; demo pair, "
         f"{s['dtype']}, one prompt x {s['max_tokens']} tokens, every contender in its own "
         f"process, median of {s['repeats']}; T=0.7 with top-p 0.8, top-k 20; {m['device']}, "
         f"BLAS: {m['blas']}; [json](results/auto_fresh.json), [plot](results/auto_fresh.png)). "
@@ -93,11 +93,11 @@ def in_one_process(r: dict) -> list[str]:
     every = not s.get("warm") and len(s["prompts"]) > 1  # `--fresh-prompts`
     name = ("auto_warm_policy" if s.get("warm") else "auto_fresh_prompts" if every else
             "auto_fresh_policy")
-    what = (f"a warm policy, in one process** (`python bench/auto.py --warm-policy`; demo pair, "
+    what = (f"a warm policy, in one process** (`python -m bench.auto --warm-policy`; demo pair, "
             f"{s['dtype']}, {len(s['prompts'])} prompts in turn x {s['max_tokens']} tokens, "
             f"{s['rounds']} rounds of every contender in shuffled order, the pair's policy kept "
             "from two earlier generations of each prompt on" if s.get("warm") else
-            f"a fresh policy, in one process** (`python bench/auto.py "
+            f"a fresh policy, in one process** (`python -m bench.auto "
             f"{'--fresh-prompts' if every else '--fresh-policy'}`; demo pair, {s['dtype']}, "
             + (f"{len(s['prompts'])} prompts in turn, one a round," if every else "one prompt x")
             + f" {s['max_tokens']} tokens, {s['rounds']} rounds of every contender in shuffled "

@@ -11,7 +11,7 @@ def derepeat(r: dict) -> list[str]:
     minutes = sum(p["seconds"]["total"] for p in passes) / 60
     draft_steps = sum(p["settings"]["draft_steps"] for p in passes)
     lines = [
-        f"**Demo pair repaired** ({len(passes)} runs of `python bench/derepeat_demo.py`, "
+        f"**Demo pair repaired** ({len(passes)} runs of `python -m training.derepeat_demo`, "
         f"{minutes:.0f} min on 2 CPU threads in all: the target {first['target_steps']} steps of "
         f"its objective plus unlikelihood (token-level x {first['unlikelihood']}, sequence-level "
         f"on its own greedy text x {first['sequence_unlikelihood']}), the draft {draft_steps} "
@@ -85,7 +85,7 @@ def quality(r: dict) -> list[str]:
     s = r["settings"]
     plain = r["plain"]["tokens_per_second"]
     lines = [
-        f"**Demo pair, held-out prompts** (`python bench/demo_quality.py`; {s['prompts']} prompts "
+        f"**Demo pair, held-out prompts** (`python -m bench.demo_quality`; {s['prompts']} prompts "
         f"x {s['max_tokens']} tokens, k={s['k']}, {s['dtype']}, {r['machine']['device']}, "
         f"BLAS: {r['machine']['blas']}; [json](results/demo_quality.json), "
         "[plot](results/demo_quality.png))",

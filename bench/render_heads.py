@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def train_heads(r: dict) -> list[str]:
     lines = [
-        "**The demo target's heads** (`python bench/train_heads.py`, the passes its json lists; "
+        "**The demo target's heads** (`python -m training.train_heads`, the passes its json lists; "
         "trained on the target's own distributions, teacher-forced, over the demo's training "
         "text and the target's own greedy continuations of it: the MTP layer one step ahead, "
         "the EAGLE-3 head over 3 chained steps; "
@@ -51,7 +51,7 @@ def drafters(r: dict) -> list[str]:
         return f"{'greedy' if t == 0 else f'T = {t}'}, B = {b}"
 
     lines = [
-        f"**Every drafter on the demo target** (`python bench/drafters.py`; {s['dtype']}, "
+        f"**Every drafter on the demo target** (`python -m bench.drafters`; {s['dtype']}, "
         f"{s['max_tokens']} tokens per prompt, {s['prompts']}; T = 0.7 with top-p 0.8, top-k "
         f"20; one process per drafter and setting, median of {s['repeats']}; {m['device']}; "
         "greedy outputs equal plain decoding's: "

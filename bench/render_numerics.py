@@ -7,7 +7,7 @@ from __future__ import annotations
 def bitwise(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     lines = [
-        f"**Bit-for-bit mode** (`python bench/bitwise.py`; demo pair, {s['dtype']}, greedy, "
+        f"**Bit-for-bit mode** (`python -m bench.bitwise`; demo pair, {s['dtype']}, greedy, "
         f"{s['max_tokens']} tokens after each of {s['prompts']} held-out prompts, one process "
         f"per contender, {m['device']}, BLAS {m['blas'].split(' (')[0]}; "
         "[json](results/bitwise.json), [plot](results/bitwise.png)): `bitwise=True` runs every "

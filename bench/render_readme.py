@@ -1,6 +1,6 @@
 """Render the results tables of results/README.md from results/*.json (between the markers).
 
-    python bench/render_readme.py
+    python -m bench.render_readme
 
 The sections of one subject have their own module: render_demo (the demo pair), render_auto
 (k="auto"), render_heads (the heads that read the target), render_numerics (bit for bit).
@@ -12,10 +12,7 @@ import json
 import re
 from pathlib import Path
 
-import render_auto
-import render_demo
-import render_heads
-import render_numerics
+from bench import render_auto, render_demo, render_heads, render_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -35,7 +32,7 @@ def batch_shapes(r: dict) -> list[str]:
                     and x["batch"] == size and (alpha is None or x["alpha"] == alpha))
 
     lines = [
-        f"**Batches on the Qwen2.5 shapes** (`python bench/batch_shapes.py`; {s['target']} "
+        f"**Batches on the Qwen2.5 shapes** (`python -m bench.batch_shapes`; {s['target']} "
         f"target, {s['draft']} draft, {s['dtype']}, B copies of one prompt, {s['max_tokens']} "
         "tokens per row, greedy, aggregate tokens/s over the whole batch (prefill included), one "
         "timed run per cell after a warm-up; [json](results/batch_shapes.json), "
@@ -58,7 +55,7 @@ def batch_shapes(r: dict) -> list[str]:
 def bounded_memory(r: dict) -> list[str]:
     s = r["settings"]
     lines = [
-        f"**Bounded cache** (`python bench/bounded_memory.py`; {s['tokens']} tokens, "
+        f"**Bounded cache** (`python -m bench.bounded_memory`; {s['tokens']} tokens, "
         f"max_kv_size={s['max_kv_size']}, k={s['k']}, demo pair; "
         "[json](results/bounded_memory.json), [plot](results/bounded_memory.png))",
         "",
@@ -86,14 +83,14 @@ def _cmd(r: dict, script: str, keys: list[str]) -> str:
         if key in ("target", "draft", "models"):
             value = " ".join("$S/" + Path(v).name for v in str(value).split())
         flags.append(f"--{key.replace('_', '-')} {value}")
-    return f"python bench/{script} " + " ".join(flags)
+    return f"python -m {script} " + " ".join(flags)
 
 
 def head_to_head(name: str):
     def render(r: dict) -> list[str]:
         c = r["costs_ms"]
         t_v = " ".join(f"{float(v):.0f}" for v in c["t_v"].values())
-        cmd = _cmd(r, "bench.py", ["target", "draft", "oracle_alpha", "ks", "prompts",
+        cmd = _cmd(r, "bench.speed", ["target", "draft", "oracle_alpha", "ks", "prompts",
                                    "max_tokens", "temp", "name"])
         lines = [
             f"**{name}** (`{cmd}`; {r['settings']['dtype']}, "
@@ -154,8 +151,9 @@ def best_k(r: dict) -> list[str]:
 def blas(r: dict) -> list[str]:
     s = r["settings"]
     lines = [
-        f"**BLAS** (`python bench/blas.py --models $S/0.5B $S/1.5B`; prefill {s['prefill_tokens']}"
-        f" tokens, decode {s['decode_tokens']} tokens, median of {s['repeats']}, fp32; "
+        "**BLAS** (`python -m bench.studies.blas --models $S/0.5B $S/1.5B`; prefill "
+        f"{s['prefill_tokens']} tokens, decode {s['decode_tokens']} tokens, median of "
+        f"{s['repeats']}, fp32; "
         "[json](results/blas.json), [plot](results/blas.png))",
         "",
         "| shapes | BLAS | decode tok/s | x stock | prefill tok/s | x stock |",
@@ -170,7 +168,7 @@ def blas(r: dict) -> list[str]:
 
 def adaptive(r: dict) -> list[str]:
     s = r["settings"]
-    cmd = _cmd(r, "adaptive.py", ["target", "draft", "alphas", "ks", "prompts", "max_tokens",
+    cmd = _cmd(r, "bench.adaptive", ["target", "draft", "alphas", "ks", "prompts", "max_tokens",
                                   "lookup_tokens"])
     lines = [f"**k=auto and prompt lookup** (`{cmd}`; greedy, BLAS {s['blas'].split(' (')[0]}; "
              "[json](results/adaptive.json), [plot](results/adaptive.png))", ""]
@@ -195,8 +193,8 @@ def adaptive(r: dict) -> list[str]:
 def row_consistency(r: dict) -> list[str]:
     rows = [int(n) for n in r["runs"][0]["max_difference_by_rows"]]
     lines = [
-        "**Greedy identity: one row vs k + 1 rows** (`python bench/row_consistency.py`; demo "
-        f"target, {r['settings']['tokens']} tokens after each of 4 prompts, device "
+        "**Greedy identity: one row vs k + 1 rows** (`python -m bench.studies.row_consistency`; "
+        f"demo target, {r['settings']['tokens']} tokens after each of 4 prompts, device "
         f"{r['machine']['device']}, BLAS {r['machine']['blas'].split(' (')[0]}; "
         "[json](results/row_consistency.json), [plot](results/row_consistency.png)): the largest "
         "logit difference between plain decoding's one-row pass and a verify pass scoring the "
@@ -225,7 +223,7 @@ def row_consistency(r: dict) -> list[str]:
 
 def prompt_cache(r: dict) -> list[str]:
     s, summary = r["settings"], r["summary"]
-    cmd = _cmd(r, "prompt_cache.py", ["target", "draft", "first_tokens", "second_tokens",
+    cmd = _cmd(r, "bench.prompt_cache", ["target", "draft", "first_tokens", "second_tokens",
                                       "max_tokens", "name"])
     with_pc, without = summary["with prompt cache"], summary["without"]
     pair = "demo pair" if s["target"] is None else f"{Path(s['target']).name} target"
@@ -241,7 +239,7 @@ def prompt_cache(r: dict) -> list[str]:
 def plain(r: dict) -> list[str]:
     s, m = r["settings"], r["median_tokens_per_second"]
     return [
-        f"**Plain decoding, ours vs mlx-lm's `generate_step`** (`python bench/plain.py "
+        f"**Plain decoding, ours vs mlx-lm's `generate_step`** (`python -m bench.plain "
         f"--repeats {s['repeats']}`; demo target, {s['dtype']}, greedy, {s['prompts']} held-out "
         f"prompts x {s['max_tokens']} tokens, same model object, order rotated; "
         f"[json](results/plain.json), [plot](results/plain.png)): our token loop "
@@ -255,7 +253,7 @@ def draft_vocab(r: dict) -> list[str]:
     d, s = r["demo"], r["settings"]
     full = d["rows"]["full"]
     lines = [
-        f"**Draft-vocabulary pruning** (`python bench/draft_vocab.py`; {d['dtype']}, k={s['k']}, "
+        f"**Draft-vocabulary pruning** (`python -m bench.draft_vocab`; {d['dtype']}, k={s['k']}, "
         f"{s['prompts']} held-out prompts x {s['max_tokens']} tokens; "
         "[json](results/draft_vocab.json), [plot](results/draft_vocab.png))",
         "",
@@ -280,7 +278,7 @@ def draft_vocab(r: dict) -> list[str]:
 
 def distributed(r: dict) -> list[str]:
     lines = [
-        "**Target tensor-parallel on 2 local ranks vs one process** (`python bench/distributed.py`;"
+        "**Target tensor-parallel on 2 local ranks vs one process** (`python -m bench.distributed`;"
         f" ring backend on 127.0.0.1, one BLAS thread per rank, {r['machine']['device']}; two "
         "ranks share this machine's 2 cores: ratios only; [json](results/distributed.json), "
         "[plot](results/distributed.png))",
@@ -309,7 +307,7 @@ def server(r: dict) -> list[str]:
     pair = "demo pair" if s["target"] is None else Path(s["target"]).name
     engines = [e for e in r["cells"][0] if e not in ("temperature", "clients")]
     base = "mlx_lm.server, no draft" if "mlx_lm.server, no draft" in engines else engines[-1]
-    command = "python bench/server.py" + ("" if s["name"] == "server" else
+    command = "python -m bench.server" + ("" if s["name"] == "server" else
                                           f" --clients {' '.join(map(str, s['clients']))} "
                                           + ("" if s["requests"] == 3 else
                                              f"--requests {s['requests']} ")
@@ -341,7 +339,7 @@ def server(r: dict) -> list[str]:
 def batch(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     lines = [
-        f"**Batches: aggregate tokens/s against B** (`python bench/batch.py`; demo pair, "
+        f"**Batches: aggregate tokens/s against B** (`python -m bench.batch`; demo pair, "
         f"{s['dtype']}, {s['max_tokens']} tokens per prompt, each cell a fresh process, warm; "
         f"{m['device']}, BLAS: {m['blas']}; [json](results/batch.json), "
         "[plot](results/batch.png)). In brackets: / mlx-lm's `batch_generate` (no draft).",
@@ -371,7 +369,7 @@ def batch(r: dict) -> list[str]:
 def hybrid(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     lines = [
-        f"**Hybrid drafting: prompt lookup and the draft model** (`python bench/hybrid.py`; demo "
+        f"**Hybrid drafting: prompt lookup and the draft model** (`python -m bench.hybrid`; demo "
         f"pair, {s['dtype']}, k={s['k']}, {s['max_tokens']} tokens per prompt, 3 prompts per "
         f"workload, each cell a fresh process, median of {s['repeats']}; {m['device']}, BLAS: "
         f"{m['blas']}; [json](results/hybrid.json), [plot](results/hybrid.png)). Decode "
@@ -399,7 +397,7 @@ def hybrid(r: dict) -> list[str]:
 def sampled_bound(r: dict) -> list[str]:
     s = r["settings"]
     lines = [
-        f"**What bounds sampled speculation** (`python bench/sampled_bound.py`; demo pair, "
+        f"**What bounds sampled speculation** (`python -m bench.sampled_bound`; demo pair, "
         f"{s['dtype']}, {s['prompts']} prompts x {s['seeds']} seeds x {s['max_tokens']} tokens; "
         "[json](results/sampled_bound.json), [plot](results/sampled_bound.png)): a one-token "
         "draft is accepted with probability sum min(p, q), so k = 1 pays only above "
@@ -424,7 +422,7 @@ def sampled_bound(r: dict) -> list[str]:
 def seeded(r: dict) -> list[str]:
     s, m = r["settings"], r["machine"]
     lines = [
-        f"**What a seed's coupling costs in acceptance** (`python bench/seeded.py`; demo pair, "
+        f"**What a seed's coupling costs in acceptance** (`python -m bench.seeded`; demo pair, "
         f"{s['dtype']}, {s['prompts']} prompts x {s['samples']} runs x {s['max_tokens']} tokens "
         "per contender, top-p 0.8 and top-k 20 at T = 0.7; "
         f"{m['device']}; [json](results/seeded.json), [plot](results/seeded.png)): draft tokens "
@@ -453,7 +451,7 @@ def hybrid_models(r: dict) -> list[str]:
                                                  or x["alpha"] == alpha))
 
     lines = [
-        f"**Hybrid target (recurrent + attention layers)** (`python bench/hybrid_models.py`; a "
+        f"**Hybrid target (recurrent + attention layers)** (`python -m bench.hybrid_models`; a "
         f"random Qwen3.5-shaped target: {t['num_hidden_layers']} layers of Qwen3.5-0.8B's shapes, "
         f"{t['num_hidden_layers'] * 3 // 4} Gated DeltaNet and {t['num_hidden_layers'] // 4} "
         f"attention, vocabulary {t['vocab_size']}; {r['draft']} draft; {r['dtype']}, "

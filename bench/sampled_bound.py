@@ -1,6 +1,6 @@
 """What bounds sampled speculation on the demo pair: the draft's quality or our overhead?
 
-    python bench/sampled_bound.py                    # demo pair, about 2 minutes
+    python -m bench.sampled_bound                    # demo pair, about 2 minutes
 
 A one-token draft is accepted with probability sum_x min(p(x), q(x)) (p, q: the target's and
 the draft's warped distributions after the same text), so a k = 1 round yields 1 + a tokens for
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from common import machine, model_dtype, pyplot, save
 
-from bench import PROMPTS, decode_rate
+from bench.common import machine, model_dtype, pyplot, save
+from bench.speed import PROMPTS, decode_rate
 from tinydraft_mlx import active_blas, generate, load_models, stream_generate
 from tinydraft_mlx.engine.cache import make_cache
 from tinydraft_mlx.engine.sampling import SamplingParams, warp

@@ -1,7 +1,7 @@
 """What a seed's coupling costs in acceptance: seeded rows (Gumbel-max coupling, engine/seeded.py)
 against unseeded rows (min(1, p/q) rejection sampling), same pair, prompts and k.
 
-    python bench/seeded.py                     # demo pair, T = 0.7 (top-p 0.8, top-k 20) and 1.0
+    python -m bench.seeded                     # demo pair, T = 0.7 (top-p 0.8, top-k 20) and 1.0
 
 For each temperature and fixed k (1 and 3), every prompt of bench.py's PROMPTS is generated
 SAMPLES times with a seed (seeds 0..SAMPLES-1) and SAMPLES times without; the figures are the
@@ -17,9 +17,8 @@ import tinydraft_mlx  # noqa: F401  # isort: skip  (first: the BLAS preload prec
 import argparse
 from pathlib import Path
 
-from common import machine, model_dtype, pyplot, save
-
-from bench import PROMPTS
+from bench.common import machine, model_dtype, pyplot, save
+from bench.speed import PROMPTS
 from tinydraft_mlx import active_blas, generate, load_models
 
 SETTINGS = {0.7: {"top_p": 0.8, "top_k": 20}, 1.0: {}}

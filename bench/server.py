@@ -3,8 +3,8 @@ request at a time, `--max-batch 1`) vs `mlx_lm.server --draft-model` (which does
 plain `mlx_lm.server` (no draft, batched), the same pair, prompts and k, 1/2/4/8/16 concurrent
 streaming clients, greedy and T=0.7.
 
-    python bench/server.py                                    # the demo pair, ~6 minutes
-    python bench/server.py --target $S/1.5B --draft $S/0.5B --clients 1 2 --requests 1 \\
+    python -m bench.server                                    # the demo pair, ~6 minutes
+    python -m bench.server --target $S/1.5B --draft $S/0.5B --clients 1 2 --requests 1 \\
         --max-tokens 16 --name server_shapes
 
 All servers run as subprocesses on 127.0.0.1 with the same weights (float32 copies:
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
-from common import machine, pyplot, save
 
+from bench.common import machine, pyplot, save
 from tinydraft_mlx.engine.backend import mkl_candidates
 from tinydraft_mlx.generation.loading import DEMO_DIR, config_overrides
 

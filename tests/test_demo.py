@@ -173,7 +173,7 @@ def test_chat_template_argument_and_flag(pair, checkpoints, capsys, tmp_path):
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 def test_the_demo_targets_heads_are_lossless_and_accepted(demo, demo_oracle, kind):
     """The heads shipped with the demo target (its MTP layer, its EAGLE-3 head; trained by
-    bench/train_heads.py): greedy output == the oracle's, k in {1, 3, 6, auto}, one sequence and
+    training/train_heads.py): greedy output == the oracle's, k in {1, 3, 6, auto}, one sequence and
     a batch of 3; trained, so accepted often (an untrained head of the same shape: < 0.05)."""
     from tinydraft_mlx import batch_generate, load_head
     from tinydraft_mlx.generation.loading import DEMO_DIR, load_eagle

@@ -10,10 +10,10 @@ nothing where MLX's CUDA build is installed (`mlx[cuda]`: it computes on the GPU
 choice still loads, for CPU runs on such a machine).
 
 MKL runs one thread unless MKL_NUM_THREADS (or OMP_NUM_THREADS) says otherwise: measured on the
-2-core machines (bench/threads.py, results/threads.json), a second MKL thread gains at most ~1.9x
-on an idle machine (a 5-token forward of a Qwen2.5-0.5B shape) and loses on the demo pair, but
-spins when another process holds a core: speculative demo decoding fell from 268 to 25 tok/s with
-both cores busy (one run: 6 tok/s).
+2-core machines (bench/studies/threads.py, results/threads.json), a second MKL thread gains at
+most ~1.9x on an idle machine (a 5-token forward of a Qwen2.5-0.5B shape) and loses on the demo
+pair, but spins when another process holds a core: speculative demo decoding fell from 268 to 25
+tok/s with both cores busy (one run: 6 tok/s).
 
 What MLX really uses is read from the process, not assumed: `active_blas()` names the library that
 provides `cblas_sgemm` in the global symbol scope (an LD_PRELOAD, or a library loaded with

@@ -1,6 +1,6 @@
 """How many MKL threads for the forwards we run, on an idle and on a busy 2-core machine.
 
-    python bench/threads.py            # ~4 minutes; writes results/threads.json and .png
+    python -m bench.studies.threads            # ~4 minutes; writes results/threads.json and .png
 
 Each (threads, load) runs in a fresh process (MKL reads MKL_NUM_THREADS once, at load), the
 contenders interleaved, every configuration twice. Load: none, or one or two processes spinning
@@ -20,17 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THREADS = (1, 2)
 LOADS = (0, 1, 2)  # spinning processes
 PROMPT = "def parse_args(argv=None):\n    parser = argparse.ArgumentParser("
 
 
 def worker() -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
 
-    from qwen_shapes import CACHE
+    from bench.qwen_shapes import CACHE
 
     from tinydraft_mlx import generate, load_models
     from tinydraft_mlx.programs.check import forward_ms
@@ -58,7 +57,9 @@ def run(threads: int, load: int) -> dict:
                 for _ in range(load)]
     try:
         env = dict(os.environ, MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-        done = subprocess.run([sys.executable, __file__, "--worker"], env=env, check=True,
+        module = ".".join(Path(__file__).resolve().relative_to(ROOT).with_suffix("").parts)
+        done = subprocess.run([sys.executable, "-m", module, "--worker"], env=env,
+                              cwd=ROOT, check=True,
                               capture_output=True, text=True, timeout=600)
         return json.loads(done.stdout.strip().splitlines()[-1])
     finally:
@@ -68,8 +69,7 @@ def run(threads: int, load: int) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import pyplot
+    from bench.common import pyplot
 
     plt = pyplot()
     metrics = [m for m in ("plain", "speculative_k3") if m in report["best"]["1/0"]]
@@ -89,8 +89,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import save
+    from bench.common import save
 
     runs = []
     start = time.time()

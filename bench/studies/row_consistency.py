@@ -4,7 +4,7 @@ together in a (k+1)-row pass (a verify), on the demo target, per dtype and k+1; 
 sequence's 4-row verify alone and the same verify as one row of a batch of B sequences of
 different lengths (`BatchCache`, batch_cache.py), per dtype and B.
 
-    python bench/row_consistency.py
+    python -m bench.studies.row_consistency
 
 Writes results/row_consistency.json and .png. Only a top-2 logit gap below these figures can flip
 a greedy choice; the oracle tests compare on paths whose gaps are far above them (> 1e-3).
@@ -17,8 +17,8 @@ import argparse
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, model_dtype, pyplot, save
 
+from bench.common import machine, model_dtype, pyplot, save
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.engine.batch_cache import BatchCache
 from tinydraft_mlx.engine.cache import make_cache

@@ -4,13 +4,13 @@ tokenizer's template) and editing exchanges whose answer copies a file back with
 target learns to copy from its context, as real models do when they edit, and prompt lookup can
 show its value offline). The draft is then distilled again toward the new target.
 
-    python bench/retrain_demo.py          # ~30 min on 2 CPU cores; writes tinydraft_mlx/demo/
+    python -m training.retrain_demo          # ~30 min on 2 CPU cores; writes tinydraft_mlx/demo/
                                           # and results/demo_retrain.{json,png}
 
 Every exchange is built from the same stdlib files as the code corpus, with `ast`: "write a
 function that <its docstring's first line>" -> the function; "what does <name> do?" -> its
 docstring; "rename / change ... in this code" -> the code with the change. Held-out files (the
-same ~5% as bench/train_demo.py) give the held-out sets. Old pair vs new, reported: held-out loss
+same ~5% as training/train_demo.py) give the held-out sets. Old pair vs new, reported: held-out loss
 on code, chat and edits; the draft's acceptance against the target (teacher-forced on held-out
 text: the expected acceptance sum(min(p, q)) at T = 1 and greedy top-1 agreement); and copy
 accuracy, the share of an edited file's tokens the target predicts top-1 when answering an
@@ -33,9 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import command
-from train_demo import ROOT, corpus_files, encode, read, save, train
 from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from bench.common import command
+from training.train_demo import ROOT, corpus_files, encode, read, save, train
 
 DEMO = ROOT / "tinydraft_mlx" / "demo"
 MAX_SNIPPET = 110  # tokens: an editing exchange holds its snippet twice within one window
@@ -234,7 +235,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xticks([0, 1], ["old pair", "new pair"])
     ax.set_ylim(0, 1)
     ax.set_title("copy accuracy on held-out edits (top-1)", fontsize=9)
-    fig.suptitle("Demo pair retrained on code + chat + edits (bench/retrain_demo.py)")
+    fig.suptitle("Demo pair retrained on code + chat + edits (training/retrain_demo.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -282,9 +283,9 @@ def main() -> None:
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     report = {
-        "command": command("retrain_demo.py",
+        "command": command("training.retrain_demo",
                            {k: v for k, v in vars(args).items() if k != "out"}),
-        "from": "the demo pair of bench/train_demo.py (results/demo_training.json)",
+        "from": "the demo pair of training/train_demo.py (results/demo_training.json)",
         "seconds": {"total": round(time.time() - t0), "target": round(target_s),
                     "draft": round(draft_s)},
         "corpus": {"code_tokens": int(len(code)), "chat_exchanges": len(chat),

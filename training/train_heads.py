@@ -3,20 +3,20 @@ them: the MTP layer beside the target's weights (tinydraft_mlx/demo/target/mtp.s
 under Qwen3-Next / Qwen3.5's `mtp.*` names), so that `load_models(draft="mtp")` works offline on
 the demo target; the EAGLE-3 head in the speculators format (tinydraft_mlx/demo/eagle3/).
 
-    python bench/train_heads.py                          # both, ~25 min on 2 CPU cores
-    python bench/train_heads.py --head mtp               # one of them
-    python bench/train_heads.py --head mtp --resume      # more training of the shipped one
-    python bench/train_heads.py --head none --generated 0   # the draft model's figures only
+    python -m training.train_heads                          # both, ~25 min on 2 CPU cores
+    python -m training.train_heads --head mtp               # one of them
+    python -m training.train_heads --head mtp --resume      # more training of the shipped one
+    python -m training.train_heads --head none --generated 0   # the draft model's figures only
 
 The layer is what Qwen3-Next's MTP is: fc([norm(embed(x_{t+1})), norm(h_t)]) -> one Qwen2
 decoder layer (the target's kind) -> norm -> the target's tied head, predicting x_{t+2}. It is
 trained by distillation: the target's final states h_t (frozen) go in, and the loss is
 KL(p_target(. | x_<=t+1) || q_head), the target's own next-token distribution at the position
 the head predicts (what acceptance rewards), at T = 1. The text: windows of the demo's training
-text (the standard library's code, bench/train_demo.py's split) and, --own-share of every batch,
+text (the standard library's code, training/train_demo.py's split) and, --own-share of every batch,
 the target's own greedy continuations of training windows (--generated; the text greedy
 speculative decoding verifies, the recipe that lifted the draft model's acceptance,
-bench/derepeat_demo.py).
+training/derepeat_demo.py).
 Reported (results/train_heads.json, each head's passes listed): the held-out KL and top-1
 agreement with the target, teacher-forced, on held-out stdlib windows and along the target's
 greedy text after bench/demo_quality.py's held-out prompts, before and after; the demo's draft
@@ -42,11 +42,12 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import command, machine, save
-from demo_quality import held_out_prompts
-from derepeat_demo import greedy_rows, target_text
-from train_demo import ROOT, corpus_files, encode, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from bench.common import command, machine, save
+from bench.demo_quality import held_out_prompts
+from training.derepeat_demo import greedy_rows, target_text
+from training.train_demo import ROOT, corpus_files, encode, lr_at
 
 TARGET = ROOT / "tinydraft_mlx" / "demo" / "target"
 DRAFT = ROOT / "tinydraft_mlx" / "demo" / "draft"
@@ -124,9 +125,7 @@ class Eagle3:
 
     def __init__(self, target: Qwen2ForCausalLM) -> None:
         import json
-        import sys
 
-        sys.path.insert(0, str(ROOT))
         from tests.eagle_reference import Eagle3Reference
 
         c = target.config
@@ -313,7 +312,8 @@ def first_pass(entry: dict) -> dict:
     """A report entry written before passes were listed, as its one pass."""
     settings = {k: v for k, v in entry["settings"].items() if k != "head"}
     settings.setdefault("generated", 0)  # written before the greedy text was an option
-    return {"command": command("train_heads.py", {**settings, "head": entry["settings"]["head"]}),
+    line = command("training.train_heads", {**settings, "head": entry["settings"]["head"]})
+    return {"command": line,
             "steps": settings["steps"], "train_seconds": entry["train_seconds"],
             "held_out_before": entry["held_out_before"], "held_out_after": entry["held_out_after"]}
 
@@ -356,7 +356,7 @@ def main() -> None:
     report.update({"machine": machine(), "torch": torch.__version__,
                    "objective": "KL(target || head) at T = 1, one step ahead (EAGLE-3: over "
                                 f"{UNROLL} chained steps), teacher-forced; a batch is stdlib "
-                                "code windows (bench/train_demo.py's split) and, with "
+                                "code windows (training/train_demo.py's split) and, with "
                                 "--generated, --own-share of it rows of the target's greedy "
                                 "continuations of training windows",
                    "greedy_agreement": "top-1 agreement at the generated positions of the "
@@ -371,7 +371,7 @@ def main() -> None:
         head = heads[name](target)
         if args.resume:
             head.load()
-        line = command("train_heads.py", {
+        line = command("training.train_heads", {
             **{k: v for k, v in vars(args).items() if k not in ("head", "resume")},
             "head": name, "resume": args.resume})
         passes = list(report[name].get("passes") or [first_pass(report[name])]
@@ -388,7 +388,7 @@ def main() -> None:
 
 
 def plot(report: dict, path) -> None:
-    from common import pyplot
+    from bench.common import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.6))

@@ -1,4 +1,4 @@
-"""Repair the bundled demo pair after its chat/editing retrain (bench/retrain_demo.py): the
+"""Repair the bundled demo pair after its chat/editing retrain (training/retrain_demo.py): the
 target's greedy text on code prompts fell into runs of one token ("Return a list of all all all
 ..."), and the draft agreed with it less. From the current weights:
 
@@ -11,9 +11,9 @@ target's greedy text on code prompts fell into runs of one token ("Return a list
    --draft-alpha) on the same mixture and on the new target's own greedy continuations, the text
    greedy speculative decoding verifies.
 
-    python bench/derepeat_demo.py        # ~15 min on 2 CPU cores; writes tinydraft_mlx/demo/
+    python -m training.derepeat_demo        # ~15 min on 2 CPU cores; writes tinydraft_mlx/demo/
                                          # and results/demo_derepeat.{json,png}
-    python bench/derepeat_demo.py --target-steps 0 ... --resume   # more draft distillation
+    python -m training.derepeat_demo --target-steps 0 ... --resume   # more draft distillation
 
 The shipped pair is the result of the passes results/demo_derepeat.json lists, in order; "old"
 there is the pair before the first pass (--old: its directory, e.g. a checkout of it).
@@ -23,7 +23,7 @@ Reported, old pair -> new: held-out loss (code, chat, edits) and copy accuracy
 acceptance of the draft along the target's greedy text (rounds simulated from teacher-forced
 argmax agreement: the engine's greedy rule), and the longest run of one repeated token; the
 greedy text of the README's and `make demo`'s prompts. The heads are retrained on the new target
-afterwards with bench/train_heads.py. Nothing here is imported by the library.
+afterwards with training/train_heads.py. Nothing here is imported by the library.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import command, machine, pyplot
-from demo_quality import held_out_prompts
-from retrain_demo import DEMO, Mixture, corpora, measure, stream
-from train_demo import ROOT, lr_at
 from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from bench.common import command, machine, pyplot
+from bench.demo_quality import held_out_prompts
+from training.retrain_demo import DEMO, Mixture, corpora, measure, stream
+from training.train_demo import ROOT, lr_at
 
 WINDOW = 16  # token-level unlikelihood: the candidates are the last WINDOW inputs
 README_PROMPTS = ["def parse_args(", "class Node:", "import os\n"]  # README's and make demo's
@@ -248,7 +249,7 @@ def plot(report: dict, path) -> None:
     axes[2].set(title="target held-out loss (nats)")
     axes[2].legend()
     fig.suptitle("Demo pair repaired: unlikelihood for the target, the draft distilled on its "
-                 "text (bench/derepeat_demo.py)")
+                 "text (training/derepeat_demo.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -300,7 +301,7 @@ def main() -> None:
     for name, model in (("target", target), ("draft", draft)):
         save_weights(model, DEMO / name)
     settings = {k: v for k, v in vars(args).items() if k not in ("dry", "resume", "old")}
-    line = command("derepeat_demo.py", {**settings, "resume": args.resume})
+    line = command("training.derepeat_demo", {**settings, "resume": args.resume})
     out = ROOT / "results" / "demo_derepeat.json"
     before = json.loads(out.read_text()) if args.resume else {"passes": []}
     passes = before["passes"] + [{"command": line, "settings": settings,

@@ -1,7 +1,7 @@
 """Train the bundled demo pair from seeds: a byte-level BPE tokenizer, a Qwen2 target, and a Qwen2
 draft distilled toward the target (KL to its soft labels), on the Python standard library source.
 
-    python bench/train_demo.py            # ~47 min on 2 CPU cores; writes tinydraft_mlx/demo/
+    python -m training.train_demo            # ~47 min on 2 CPU cores; writes tinydraft_mlx/demo/
 
 PyTorch trains (2.6-6x faster than MLX on the CPU here); the result is saved as float16
 safetensors with a transformers config, so both mlx-lm and transformers load it. Nothing here is
@@ -175,7 +175,7 @@ def main() -> None:
     save(draft, tok, args.out / "draft")
 
     report = {
-        "command": "python bench/train_demo.py " + " ".join(
+        "command": "python -m training.train_demo " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "seconds": {"total": round(time.time() - t0), "target": round(target_s),
                     "draft": round(draft_s)},

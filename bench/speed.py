@@ -1,8 +1,8 @@
 """Head-to-head benchmark: plain and speculative decoding, ours vs mlx-lm, same models, prompts
 and settings, after a warm-up; per-round cost decomposition and the Leviathan prediction.
 
-    python bench/bench.py --name demo_t0                              # the demo pair, greedy
-    python bench/bench.py --target ~/.cache/tinydraft-mlx/shapes/1.5B \\
+    python -m bench.speed --name demo_t0                              # the demo pair, greedy
+    python -m bench.speed --target ~/.cache/tinydraft-mlx/shapes/1.5B \\
         --draft ~/.cache/tinydraft-mlx/shapes/0.5B --oracle-alpha 0.5 0.7 0.9 --ks 1 2 3 4 \\
         --prompts 2 --max-tokens 32 --name shapes_0.5B_1.5B
 
@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import machine, model_dtype, pair_parser, pyplot, save
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
-from oracle_draft import OracleDraft
 
+from bench.common import machine, model_dtype, pair_parser, pyplot, save
+from bench.oracle_draft import OracleDraft
 from tinydraft_mlx import active_blas, load_models, stream_generate
 from tinydraft_mlx.engine import skinny
 from tinydraft_mlx.engine.backend import generation_stream

@@ -1,7 +1,7 @@
 """Which BLAS MLX's CPU backend runs on, and what it costs: stock (the wheel's reference BLAS) vs
 OpenBLAS vs MKL, plain decode and prefill tokens/s on Qwen2.5-shaped checkpoints.
 
-    S=~/.cache/tinydraft-mlx/shapes; python bench/blas.py --models $S/0.5B $S/1.5B
+    S=~/.cache/tinydraft-mlx/shapes; python -m bench.studies.blas --models $S/0.5B $S/1.5B
 
 Each (BLAS, model) runs in a fresh process (the BLAS is chosen before mlx.core loads, through
 TINYDRAFT_BLAS). Writes results/blas.json and results/blas.png. Linux only (macOS uses Accelerate).
@@ -18,15 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-from common import pyplot, save
+from bench.common import ROOT, module_of, pyplot, save
 
 CHOICES = ["off", "openblas", "mkl"]
 
 
 def child(model_path: str, prefill_tokens: int, decode_tokens: int, repeats: int) -> dict:
     import tinydraft_mlx  # isort: skip  (the preload reads TINYDRAFT_BLAS)
-    from common import machine, model_dtype
-
+    from bench.common import machine, model_dtype
     from tinydraft_mlx import load_models, stream_generate
     from tinydraft_mlx.engine.cache import make_cache
     from tinydraft_mlx.engine.speculative import prefill
@@ -76,11 +75,12 @@ def main() -> None:
     runs = []
     for model in args.models:
         for choice in args.blas:
-            cmd = [sys.executable, __file__, "--models", model, "--child", model,
+            cmd = [sys.executable, "-m", module_of(__file__), "--models", model, "--child", model,
                    "--prefill-tokens", str(args.prefill_tokens),
                    "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)]
             env = {**os.environ, "TINYDRAFT_BLAS": choice}
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                                  check=True)
             row = json.loads(done.stdout.strip().splitlines()[-1])
             row.update(model=Path(model).name, choice=choice)
             runs.append(row)
