@@ -29,7 +29,7 @@ import mlx.core as mx
 from bench.common import machine, pyplot, save
 from tinydraft_mlx import generate, load_models
 from tinydraft_mlx.engine.distributed import free_ports, ranks_of
-from tinydraft_mlx.programs.check import forward_ms, leviathan
+from tinydraft_mlx.programs.costs import forward_ms, leviathan
 
 SHAPES = Path.home() / ".cache" / "tinydraft-mlx" / "shapes"
 NS = [1, 2, 3, 5]

@@ -112,7 +112,7 @@ def head_costs() -> dict:
     from tinydraft_mlx.engine.drafters.eagle import Eagle3Head
     from tinydraft_mlx.engine.drafters.mtp import MtpHead, attach, attention_layer
     from tinydraft_mlx.generation.loading import load_model
-    from tinydraft_mlx.programs.check import forward_ms
+    from tinydraft_mlx.programs.costs import forward_ms
 
     hybrid_models.build()
     target, _ = load_model(hybrid_models.TARGET, "float32")

@@ -136,8 +136,8 @@ def rollback_cost() -> dict:
     from bench import common  # noqa: F401, I001  (before mlx.core: the BLAS preload)
     from tinydraft_mlx import load_models
     from tinydraft_mlx.engine.cache import make_cache, rollback
+    from tinydraft_mlx.engine.cache.recurrent import RecurrentCache
     from tinydraft_mlx.engine.forward import forward, prefill
-    from tinydraft_mlx.engine.recurrent import RecurrentCache
 
     target, _, tok = load_models(str(TARGET), "none", dtype="float32")
     ids = tok.encode(PROMPTS[0] * 4)

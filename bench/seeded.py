@@ -1,5 +1,6 @@
-"""What a seed's coupling costs in acceptance: seeded rows (Gumbel-max coupling, engine/seeded.py)
-against unseeded rows (min(1, p/q) rejection sampling), same pair, prompts and k.
+"""What a seed's coupling costs in acceptance: seeded rows (Gumbel-max coupling,
+engine/sampling/seeded.py) against unseeded rows (min(1, p/q) rejection sampling), same pair,
+prompts and k.
 
     python -m bench.seeded                     # demo pair, T = 0.7 (top-p 0.8, top-k 20) and 1.0
 

@@ -30,7 +30,7 @@ from tinydraft_mlx import active_blas, load_models, stream_generate
 from tinydraft_mlx.engine import skinny
 from tinydraft_mlx.engine.backend import generation_stream
 from tinydraft_mlx.engine.forward import COMPILE_ENV
-from tinydraft_mlx.programs.check import forward_ms, leviathan
+from tinydraft_mlx.programs.costs import forward_ms, leviathan
 
 PROMPTS = [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",

@@ -33,8 +33,8 @@ from tinydraft_mlx import (
     generate,
     load_models,
 )
-from tinydraft_mlx.engine import cache as cache_module
 from tinydraft_mlx.engine.cache import RollbackRotatingKVCache, make_cache
+from tinydraft_mlx.engine.cache import kv as cache_module
 from tinydraft_mlx.engine.forward import SUPPORTED, traces
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")

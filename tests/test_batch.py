@@ -40,8 +40,8 @@ from tinydraft_mlx import (
     batch_generate,
     generate,
 )
-from tinydraft_mlx.engine.batch_cache import BatchCache
 from tinydraft_mlx.engine.cache import make_cache, rollback
+from tinydraft_mlx.engine.cache.batch import BatchCache
 from tinydraft_mlx.engine.forward import forward, forward_batch, prefill
 from tinydraft_mlx.engine.speculative import decode
 

@@ -10,7 +10,7 @@ import pytest
 
 import tinydraft_mlx.engine.acceptance as acceptance
 import tinydraft_mlx.engine.rounds as rounds
-from tinydraft_mlx.engine.rejection import _leading_true, _pad_vocab
+from tinydraft_mlx.engine.sampling.rejection import _leading_true, _pad_vocab
 from tinydraft_mlx.programs.check import P_FAIL, main
 
 KEYS = ["greedy_identical", "sampling_p_value", "costs", "acceptance", "recommended_k",

@@ -40,10 +40,10 @@ from tinydraft_mlx import (
     generate,
     load_models,
 )
-from tinydraft_mlx.engine.batch_cache import BatchCache
 from tinydraft_mlx.engine.cache import layer_kinds, make_cache
+from tinydraft_mlx.engine.cache.batch import BatchCache
+from tinydraft_mlx.engine.cache.recurrent import RecurrentCache
 from tinydraft_mlx.engine.forward import prefill
-from tinydraft_mlx.engine.recurrent import RecurrentCache
 from tinydraft_mlx.generation.loading import ModelLoadError, load_model
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")

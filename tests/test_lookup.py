@@ -46,7 +46,7 @@ def test_hybrid_chooses_the_source_that_gives_more_tokens_per_second(monkeypatch
     """Which source a hybrid round uses, by its recent tokens per second (a fake clock): lookup
     first, the model once tried, then whichever has given more; lookup again after RETRY model
     rounds; a round without a match always drafts with the model."""
-    import tinydraft_mlx.engine.drafters as drafters
+    import tinydraft_mlx.engine.drafters.sources as drafters
     from tinydraft_mlx import Hybrid
     from tinydraft_mlx.engine.drafters import HybridDraft
 

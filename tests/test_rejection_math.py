@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tinydraft_mlx import SamplingParams, warp
-from tinydraft_mlx.engine.rejection import greedy_accept, speculative_accept
+from tinydraft_mlx.engine.sampling.rejection import greedy_accept, speculative_accept
 
 N = 200_000
 TOL = 5e-3

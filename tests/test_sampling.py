@@ -97,8 +97,8 @@ def test_fused_draws_and_acceptance_equal_the_separate_ops(setting):
     (`draw`, `with_warp(speculative_accept, ...)`); the batched loop runs them as separate ops.
     Both must give the same tokens for the same keys (a seeded row of a batch is the
     generation alone: test_batch), so the fused graphs are checked draw for draw here."""
-    from tinydraft_mlx.engine.rejection import speculative_accept
     from tinydraft_mlx.engine.sampling import draw, sample_rows, with_warp
+    from tinydraft_mlx.engine.sampling.rejection import speculative_accept
 
     params = SamplingParams(**setting)
     rng = np.random.default_rng(1)
@@ -122,12 +122,12 @@ def test_fused_draws_and_acceptance_equal_the_separate_ops(setting):
 
 
 def test_seeded_noise_is_standard_gumbel_and_independent_across_positions():
-    """engine/seeded.py's (seed, position, token) noise against the Gumbel law written out here:
-    Kolmogorov-Smirnov distance of 200k variates to F(g) = exp(-exp(-g)) below the 1e-6 level
-    (1.92 / sqrt(n) is the 0.2% level; 2.6 / sqrt(n) is beyond 1e-5), neighbouring positions and
-    neighbouring seeds uncorrelated (|r| < 5 / sqrt(n)), and a position's noise the same however
-    it is asked for."""
-    from tinydraft_mlx.engine import seeded
+    """engine/sampling/seeded.py's (seed, position, token) noise against the Gumbel law written
+    out here: Kolmogorov-Smirnov distance of 200k variates to F(g) = exp(-exp(-g)) below the
+    1e-6 level (1.92 / sqrt(n) is the 0.2% level; 2.6 / sqrt(n) is beyond 1e-5), neighbouring
+    positions and neighbouring seeds uncorrelated (|r| < 5 / sqrt(n)), and a position's noise
+    the same however it is asked for."""
+    from tinydraft_mlx.engine.sampling import seeded
 
     g = np.array(seeded.noise(2**40 + 3, 100, 200, 1000), dtype=np.float64)  # (200, 1000)
     flat = np.sort(g.ravel())
@@ -147,7 +147,7 @@ def test_seeded_noise_is_standard_gumbel_and_independent_across_positions():
 def test_seeded_pick_draws_from_p():
     """Gumbel-max picks over 40k positions follow p (chi-square against p written here), and a
     zero-probability token is never picked."""
-    from tinydraft_mlx.engine import seeded
+    from tinydraft_mlx.engine.sampling import seeded
 
     p = np.array([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
     n = 40_000
@@ -164,7 +164,7 @@ def test_seeded_noise_reaches_the_gumbel_tails_a_small_probability_needs():
     its noise beats the top's by 30: the noise's extremes (the smallest and largest hashes) must
     span more than that. Checked against the Gumbel quantile -log(-log(1 - w)) in float64 at w
     from the same 48 bits (hand-picked and random hashes), to float32 rounding."""
-    from tinydraft_mlx.engine import seeded
+    from tinydraft_mlx.engine.sampling import seeded
 
     rng = np.random.default_rng(0)
     high = np.concatenate([[0, 0, 255, 2**32 - 1, 2**32 - 1], rng.integers(0, 2**32, 2000)])

@@ -1,5 +1,5 @@
 """End to end: at temperature 1 with top-p, the first two speculative tokens follow the oracle's
-exact two-step distribution, with a seed (the Gumbel-max coupling of engine/seeded.py) and
+exact two-step distribution, with a seed (the Gumbel-max coupling of engine/sampling/seeded.py) and
 without one (min(1, p/q) rejection sampling).
 
 The oracle enumerates P(a, b) = p1(a) p2(b | a), each factor warped by the independent NumPy warp

@@ -272,16 +272,17 @@ def test_a_long_tokenization_does_not_stall_the_event_loop(served, models, monke
     stalled. Tokenization (here a long prompt's made to take 2 s) now runs on a thread: /health
     answers, and a short request is served, in under a second or two meanwhile."""
     _, _, tokenizer = models
-    original = tokenizer.encode
+    kind = type(tokenizer._tokenizer)  # what the wrapper delegates to, in every thread's copy
+    original = kind.encode
     slow = threading.Event()
 
-    def encode(text, *args, **kwargs):
+    def encode(self, text, *args, **kwargs):
         if text.startswith("SLOW"):
             slow.set()
             time.sleep(2.0)
-        return original(text, *args, **kwargs)
+        return original(self, text, *args, **kwargs)
 
-    monkeypatch.setattr(tokenizer._tokenizer, "encode", encode)  # what the wrapper delegates to
+    monkeypatch.setattr(kind, "encode", encode)
     result = {}
     long_prompt = "SLOW " + "def f(x):\n    return x\n" * 3000  # 69k characters: a long one
     thread = threading.Thread(target=lambda: result.update(r=httpx.post(

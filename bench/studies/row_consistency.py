@@ -20,8 +20,8 @@ import mlx.core as mx
 
 from bench.common import machine, model_dtype, pyplot, save
 from tinydraft_mlx import generate, load_models
-from tinydraft_mlx.engine.batch_cache import BatchCache
 from tinydraft_mlx.engine.cache import make_cache
+from tinydraft_mlx.engine.cache.batch import BatchCache
 from tinydraft_mlx.engine.forward import forward_batch
 from tinydraft_mlx.engine.speculative import prefill
 

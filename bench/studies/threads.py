@@ -32,7 +32,7 @@ def worker() -> dict:
     from bench.qwen_shapes import CACHE
 
     from tinydraft_mlx import generate, load_models
-    from tinydraft_mlx.programs.check import forward_ms
+    from tinydraft_mlx.programs.costs import forward_ms
 
     target, draft, tok = load_models()
     ids = tok.encode(PROMPT)

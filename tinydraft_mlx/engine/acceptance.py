@@ -24,10 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import seeded
 from .drafters import Proposals
-from .rejection import speculative_accept, speculative_accept_rows
-from .sampling import draw, process_logits, sample_rows, sampling_groups, warp, with_warp
+from .sampling import draw, process_logits, sample_rows, sampling_groups, seeded, warp, with_warp
+from .sampling.rejection import speculative_accept, speculative_accept_rows
 
 
 def _scaled_draw(row: Any) -> bool:

@@ -48,18 +48,18 @@ import mlx.nn as nn
 
 from .acceptance import verify
 from .backend import generation_stream
-from .batch_cache import BatchCache, SingleCache
 from .bitwise import MAX_K as BITWISE_MAX_K
 from .bitwise import buffer_need, pad, trim
 from .bitwise import refusal as bitwise_refusal
 from .cache import KEEP, Cache, cache_length, can_cut, cut, layer_kinds, make_cache, rollback
+from .cache.batch import BatchCache, SingleCache
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
 from .hidden import capture
 from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, Acceptance, choose, sampling_regime, shared_policy
-from .rejection import greedy_accept_ids
 from .sampling import ParameterError, Processor, SamplingParams
+from .sampling.rejection import greedy_accept_ids
 from .stats import GenerationStats
 
 __all__ = ["BatchDecoder", "Finished", "Token", "max_draft_length", "unbatchable"]

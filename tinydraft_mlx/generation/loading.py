@@ -196,7 +196,7 @@ def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
 def _refuse_without_rollback(model: nn.Module, name: str | Path) -> None:
     """ModelLoadError for an architecture whose caches cannot roll back a rejected draft: a
     layer state other than attention's keys and values and the Gated DeltaNet / Mamba-2 states
-    that engine/recurrent.py replays (e.g. LFM2's short convolutions, Mamba-1, RWKV)."""
+    that engine/cache/recurrent.py replays (e.g. LFM2's short convolutions, Mamba-1, RWKV)."""
     try:
         make_cache(model)
     except ValueError as err:

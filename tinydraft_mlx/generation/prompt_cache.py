@@ -35,8 +35,8 @@ from ..engine.cache import (
     reachable,
     rollback,
 )
+from ..engine.cache.recurrent import RecurrentCache
 from ..engine.drafters import draft_model, resolve_drafter
-from ..engine.recurrent import RecurrentCache
 
 FORMAT = "tinydraft-mlx prompt cache 1"
 MARGIN = 65  # rollback slots of a bounded prompt cache: enough for any k (1..64) + 1

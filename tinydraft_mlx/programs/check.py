@@ -47,10 +47,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..engine.backend import active_blas, device_name, generation_stream
-from ..engine.cache import cache_length, make_cache, rollback
 from ..engine.drafters import resolve_drafter
 from ..engine.drafters.mtp import MTP
-from ..engine.forward import forward, prefill
 from ..engine.policy import record_rounds, sampling_regime
 from ..engine.rounds import BatchDecoder
 from ..engine.sampling import ParameterError, SamplingParams, check_int, warp
@@ -64,6 +62,7 @@ from ..generation.loading import (
     load_models,
 )
 from ..generation.prompt_cache import PromptCache
+from .costs import draft_ms, leviathan, target_costs
 
 KS = (1, 2, 4, 8)
 NEAR_TIE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2.5e-1}  # top-2 gaps that may flip
@@ -135,52 +134,6 @@ def rising(t_v: dict[int, float]) -> bool:
             return False
         highest = max(highest, t_v[n])
     return True
-
-
-def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float:
-    """Predicted speedup: E(k) t_1 / (k t_d + t_v(k+1)), E(k) = (1 - alpha^(k+1)) / (1 - alpha)."""
-    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected * t_1 / (k * t_d + t_v)
-
-
-# -- measurements ---------------------------------------------------------------------------------
-
-def forward_ms(model, ids: list[int], n: int, repeats: int = 5, drafter: Any = None) -> float:
-    """Median time of one cached forward over n tokens after `ids` (then rolled back): the
-    decode loop's own forward (compiled where it applies; the first call, which may trace, is
-    left out), on the generation stream the loop runs on. `drafter`: the drafter whose model
-    `model` is, which fills the cache with what precedes its step and gives the step's other
-    inputs (a head: the target's states; `Source.prime`); None: a model prefilled with `ids`."""
-    times = []
-    with mx.stream(generation_stream()):
-        cache = make_cache(model, margin=n)  # rolled back by n: sliding and recurrent layers
-        if drafter is not None:
-            extra = drafter.prime(cache, ids)
-        else:
-            prefill(model, cache, ids)
-            extra = {}
-        primed = cache_length(cache)
-        for _ in range(repeats + 1):
-            x = mx.array([ids[-1]] * n, dtype=mx.int32)[None]
-            start = time.perf_counter()
-            mx.eval(forward(model, x, cache, **extra))
-            times.append(time.perf_counter() - start)
-            rollback(cache, primed)
-    return 1000 * statistics.median(times[1:])
-
-
-def target_costs(target, ids: list[int], k_max: int, repeats: int) -> dict[str, Any]:
-    """t_1 and t_v(n) for n = 1..k_max + 1, in ms (measured once, shared by every draft)."""
-    return {"t_1": forward_ms(target, ids, 1, repeats),
-            "t_v": {n: forward_ms(target, ids, n, repeats) for n in range(1, k_max + 2)}}
-
-
-def draft_ms(draft, ids: list[int], repeats: int, target: Any = None) -> float:
-    """t_d: one draft step in ms (0 for prompt lookup and plain decoding)."""
-    drafter = resolve_drafter(draft, target=target)
-    if drafter.model is None:
-        return 0.0
-    return forward_ms(drafter.model, ids, 1, repeats, drafter=drafter)
 
 
 def plain_reference(target, tok, ids: list[int], n: int) -> dict[str, Any]:
@@ -259,7 +212,7 @@ def sampling_check(target, draft, tok, prompts, sampling: SamplingParams, sample
     accept and the residual paths of the rejection rule both shape it) against the target's
     warped distribution, on the prompt where draft and target disagree most (lowest
     sum(min(p, q))): there a wrong acceptance rule shows most. (A seeded run's tokens are plain
-    decoding's by construction, engine/seeded.py; the suite checks that coupling.)"""
+    decoding's by construction, engine/sampling/seeded.py; the suite checks that coupling.)"""
     firsts = [_first_distributions(target, draft, ids, sampling) for ids in prompts]
     chosen = min(range(len(prompts)), key=lambda i: firsts[i][1])
     ids, (probs, overlap) = prompts[chosen], firsts[chosen]

@@ -20,10 +20,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import seeded
 from ..cache import Cache, cache_length, rollback
 from ..forward import PREFILL_STEP, model_inputs, prefill
-from ..sampling import draw, process_logits, sample_rows, sampling_groups, warp
+from ..sampling import draw, process_logits, sample_rows, sampling_groups, seeded, warp
 
 
 def draft_logits(

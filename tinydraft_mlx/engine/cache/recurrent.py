@@ -259,7 +259,7 @@ class RecurrentCache(ArraysCache):
         seg, self._open = self._open, None
         if seg is None or seg.recurrence is not None:
             raise RuntimeError("a recurrence ran without its convolution: this layer's pieces "
-                               "are not the ones tinydraft_mlx.engine.recurrent knows")
+                               "are not the ones tinydraft_mlx.engine.cache.recurrent knows")
         seg.recurrence = record
 
     def _close(self) -> None:

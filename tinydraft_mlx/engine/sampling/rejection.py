@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .sampling import sample_rows
+from .warp import sample_rows
 
 
 def _pad_vocab(x: mx.array, width: int) -> mx.array:

@@ -38,7 +38,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .cache import (
+from ..forward import forward, forward_batch
+from .kv import (
     KEEP,
     Cache,
     RollbackRotatingKVCache,
@@ -48,7 +49,6 @@ from .cache import (
     rollback,
     slot_positions,
 )
-from .forward import forward, forward_batch
 from .recurrent import RecurrentCache
 
 STEP = 256  # unbounded buffers grow by this many slots
