@@ -24,42 +24,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_server_command_serves_and_stops_cleanly_on_sigterm():
-    """`python -m tinydraft_mlx.server` starts on the demo pair; SIGTERM while a stream is in
-    flight: the stream completes with [DONE] and the process exits 0."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tinydraft_mlx.server", "--port", str(port),
-                             "--log-level", "warning"], env=env, stderr=subprocess.PIPE,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
-        body = {"prompt": "def parse_args(", "max_tokens": 200, "stream": True}
-        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            first = next(lines)
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        chunks = [json.loads(x[6:]) for x in [first] + rest if x != "data: [DONE]"]
-        assert rest[-1] == "data: [DONE]" and len(chunks) == 200
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def _start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -77,6 +41,27 @@ def _start_server(*flags: str) -> tuple[subprocess.Popen, str]:
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, "the server did not come up"
         time.sleep(0.2)
+
+
+def test_server_command_serves_and_stops_cleanly_on_sigterm():
+    """`python -m tinydraft_mlx.server` starts on the demo pair; SIGTERM while a stream is in
+    flight: the stream completes with [DONE] and the process exits 0."""
+    proc, url = _start_server()
+    try:
+        body = {"prompt": "def parse_args(", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        chunks = [json.loads(x[6:]) for x in [first] + rest if x != "data: [DONE]"]
+        assert rest[-1] == "data: [DONE]" and len(chunks) == 200
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_sigterm_with_a_full_queue_answers_every_request():

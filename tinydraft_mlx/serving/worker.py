@@ -189,30 +189,31 @@ class Worker:
         `Failed(ShuttingDown())`, running ones may finish within `grace` seconds and then end
         the same way (a stream gets its error event instead of being cut)."""
         self._deadline = time.monotonic() + max(0.0, grace)
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self.counts["cancelled"] += 1
-                _deliver(job, Failed(ShuttingDown()))
+        for job in self._waiting():
+            self.counts["cancelled"] += 1
+            _deliver(job, Failed(ShuttingDown()))
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Cancel the waiting jobs and the running ones (each gets its `Done(cancelled=True)`
         within a round), end the thread."""
         self._stopping = True
+        for job in self._waiting():
+            job.cancelled.set()
+            job.deliver(Done(None, cancelled=True))
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _waiting(self) -> list[Job]:
+        """The waiting jobs, taken out of the queue."""
+        jobs = []
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                break
+                return jobs
             if job is not None:
-                job.cancelled.set()
-                job.deliver(Done(None, cancelled=True))
-        self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+                jobs.append(job)
 
     def _run(self) -> None:
         """Up to max_batch jobs as one batch: admit waiting jobs between rounds, run a round,
