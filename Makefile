@@ -27,7 +27,7 @@ demo: $(VENV)/.demo
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check tinydraft_mlx tests bench training
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=10
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
