@@ -68,7 +68,8 @@ def test_a_run_that_compiles_kernels_says_so(checkpoints, capsys, monkeypatch):
     assert where == checkpoints["target"].parent / "tmp" / "mlx" / mx.__version__ / "cpu"
     where.mkdir(parents=True, exist_ok=True)
     for i in range(3):
-        (where / f"kernel{i}.so").write_bytes(b"")
+        (where / f"libkernel{i}.so").write_bytes(b"")
+        (where / f"kernel{i}.cpp").write_text("")  # its source beside it: not a second kernel
     assert backend.compiled_kernels() == 3
     counts = iter([3, 10])
     monkeypatch.setattr(cli, "compiled_kernels", lambda: next(counts))
@@ -170,8 +171,8 @@ def test_ctrl_c_stops_cleanly(checkpoints, capsys, monkeypatch):
         def close(self):
             self.steps.close()
 
-    def interrupted(steps, quiet=False):
-        return real(Interrupting(steps), quiet)
+    def interrupted(steps, quiet=False, **kwargs):
+        return real(Interrupting(steps), quiet, **kwargs)
 
     monkeypatch.setattr(cli, "_stream_text", interrupted)
     code = cli.main(["--target", str(checkpoints["target"]), "--draft", str(checkpoints["draft"]),
@@ -257,7 +258,7 @@ def test_a_broken_group_mid_generation_is_one_line(checkpoints, capsys, monkeypa
     class RankZero:
         rank, size = 0, 2
 
-    def broken(steps, quiet=False):
+    def broken(steps, quiet=False, **kwargs):
         raise RuntimeError("[ring] connection to a peer was lost")
 
     monkeypatch.setattr(cli, "_stream_text", broken)

@@ -244,6 +244,7 @@ def kernel_cache() -> Path | None:
 
 
 def compiled_kernels() -> int:
-    """How many kernels MLX's CPU kernel cache holds now (0 where there is none)."""
+    """How many kernels MLX's CPU kernel cache holds now (its shared libraries, one a kernel
+    beside its source; 0 where there is none)."""
     where = kernel_cache()
-    return sum(1 for _ in where.iterdir()) if where is not None and where.is_dir() else 0
+    return sum(1 for _ in where.glob("*.so")) if where is not None and where.is_dir() else 0

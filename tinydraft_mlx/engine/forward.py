@@ -100,14 +100,16 @@ class _Slot:
 
 class _RingSlot:
     """One layer's bounded cache (`RollbackRotatingKVCache`) as the compiled step sees it: its
-    whole fixed buffer (`keep` sink slots, then a ring of `ring` slots), the write position as an
-    array. Writes and mask as the eager cache's for a forward it writes in place (at most
-    margin + 1 tokens, cache.py), from the same position functions."""
+    whole fixed buffer (`keep` sink slots, then a ring of `ring` slots) and, as one int32 array,
+    the write position and the bound (`packed`: offset, keep, window, ring). Writes and mask as
+    the eager cache's for a forward it writes in place (at most margin + 1 tokens, cache/kv.py),
+    from the same position functions. The bound is an input, not a constant of the trace, so
+    every bound shares one step and MLX's CPU backend compiles its fused kernels once (as
+    constants, each bound made kernels of its own: ~50 of a suite's ~260)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, keep: int,
-                 window: int, ring: int) -> None:
-        self.keys, self.values, self.offset = keys, values, offset
-        self.keep, self.window, self.ring = keep, window, ring
+    def __init__(self, keys: mx.array, values: mx.array, packed: mx.array) -> None:
+        self.keys, self.values = keys, values
+        self.offset, self.keep, self.window, self.ring = packed[0], packed[1], packed[2], packed[3]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         slots = ring_slots(self.offset + mx.arange(keys.shape[2]), self.keep, self.ring)
@@ -117,18 +119,18 @@ class _RingSlot:
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
-        keys = slot_positions(self.offset + n, self.keep, self.ring)
+        keys = slot_positions(self.offset + n, self.keep, self.ring, self.keys.shape[2])
         return ring_mask(self.offset, n, keys, self.keep, self.window)
 
 
 class _Compiled:
-    """A model's compiled steps (on unbounded caches; on bounded ones, one per bound) and the
+    """A model's compiled steps (on unbounded caches; on bounded ones, every bound's) and the
     shapes they have been traced for."""
 
     def __init__(self, model: nn.Module, inputs: tuple[str, ...] = ()) -> None:
         self.model, self.inputs = model, inputs  # inputs: its keyword inputs beside the ids
         self.step = self._compile(_Slot)
-        self.ring_steps: dict[tuple[int, int, int], Callable] = {}
+        self.ring_step = self._compile(_RingSlot)
         self.shapes: set[tuple] = set()
         self.tags: list[Any] = []  # what the step's last output holds (set when it traces)
 
@@ -149,14 +151,6 @@ class _Compiled:
         # embeddings and LM head are its target's)
         target = getattr(model, "target", None)
         return mx.compile(step, inputs=[model.state] + ([target.state] if target else []))
-
-    def ring_step(self, keep: int, window: int, ring: int) -> Callable:
-        """The step on bounded caches of this shape (sinks, window, ring), compiled once."""
-        step = self.ring_steps.get((keep, window, ring))
-        if step is None:
-            step = self.ring_steps[keep, window, ring] = self._compile(
-                lambda k, v, offset: _RingSlot(k, v, offset, keep, window, ring))
-        return step
 
 
 def _model_type(model: Any) -> str | None:
@@ -256,16 +250,16 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any], *, reserve: in
     offset, n = cache[0].offset, tokens.shape[1]
     if all(type(layer) is KVCache for layer in cache):
         size = _reserve(cache, max(offset + n, reserve))
-        step = state.step
+        step, where = state.step, mx.array(offset, dtype=mx.int32)
         _traced_shape(state, (n, size, *_widths(inputs)))
     elif _ring_in_place(cache, n):
         first = cache[0]
-        step = state.ring_step(first.keep, first.window, first.ring)
-        _traced_shape(state, ("ring", n, first.keep, first.window, first.ring,
-                              *_widths(inputs)))
+        step = state.ring_step
+        where = mx.array([offset, first.keep, first.window, first.ring], dtype=mx.int32)
+        _traced_shape(state, ("ring", n, first.slots, *_widths(inputs)))
     else:  # a forward longer than the ring's margin (a catch-up): eager, with its inputs
         return model(tokens, cache=cache, **inputs)
-    logits, keys, values, seen = step(tokens, mx.array(offset, dtype=mx.int32),
+    logits, keys, values, seen = step(tokens, where,
                                       [layer.keys for layer in cache],
                                       [layer.values for layer in cache],
                                       *[inputs[name] for name in state.inputs])

@@ -125,11 +125,12 @@ def cut(cache: Cache, n: int) -> None:
     rollback(cache, n)
 
 
-def slot_positions(end: int | mx.array, keep: int, ring: int) -> mx.array:
+def slot_positions(end: int | mx.array, keep: int | mx.array, ring: int | mx.array,
+                   slots: int | None = None) -> mx.array:
     """(keep + ring,) the absolute position each slot of a `RollbackRotatingKVCache` holds once
-    positions [0, end) are written (`end` an int or an int32 scalar array); -1 for an empty
-    slot."""
-    s = mx.arange(keep + ring)
+    positions [0, end) are written (`end`, `keep`, `ring`: ints or int32 scalar arrays; `slots`:
+    keep + ring, given where those are arrays); -1 for an empty slot."""
+    s = mx.arange(keep + ring if slots is None else slots)
     sinks = mx.where(s < end, s, -1)
     last = end - 1 - keep  # ring index of the newest position
     ring_pos = keep + last - mx.remainder(last - (s - keep), ring)
@@ -137,14 +138,14 @@ def slot_positions(end: int | mx.array, keep: int, ring: int) -> mx.array:
     return mx.where(s < keep, sinks, ring_pos)
 
 
-def ring_slots(positions: mx.array, keep: int, ring: int) -> mx.array:
+def ring_slots(positions: mx.array, keep: int | mx.array, ring: int | mx.array) -> mx.array:
     """The slot each absolute position is written to: its own below `keep` (a sink), else its
     place in the ring."""
     return mx.where(positions < keep, positions, keep + mx.remainder(positions - keep, ring))
 
 
-def ring_mask(offset: int | mx.array, n: int, keys: mx.array, keep: int,
-              window: int) -> mx.array:
+def ring_mask(offset: int | mx.array, n: int, keys: mx.array, keep: int | mx.array,
+              window: int | mx.array) -> mx.array:
     """(n, len(keys)) True where the query at position offset + i may see the key at absolute
     position keys[j] (-1: an empty slot): a sink, or one of the latest `window` positions up to
     its own."""
