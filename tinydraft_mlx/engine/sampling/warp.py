@@ -117,7 +117,17 @@ def with_warp(fn: Callable[..., Any], params: SamplingParams) -> Callable[..., A
     0.25 (demo vocabulary, 4096)."""
     if params.greedy:
         raise ValueError("with_warp() needs temperature > 0; greedy decoding uses the argmax")
-    return _compiled_with_warp(fn, params.temperature, params.top_p, params.top_k, params.min_p)
+    run = _compiled_with_warp(fn, params.top_k, params.top_p < 1.0, params.min_p > 0.0)
+    values = _values(params.temperature, params.top_p, params.min_p)
+    return lambda logits, *args: run(logits, values, *args)
+
+
+@functools.lru_cache(maxsize=256)
+def _values(temperature: float, top_p: float, min_p: float) -> mx.array:
+    """A setting's values as one float32 array: an input of the compiled warp, not a constant
+    of its trace, so settings that differ only in value share one graph and MLX's CPU backend
+    compiles their fused kernels once."""
+    return mx.array([temperature, top_p, min_p], dtype=mx.float32)
 
 
 def draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[mx.array, mx.array]:
@@ -134,16 +144,19 @@ def _identity(probs: mx.array) -> mx.array:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_with_warp(fn: Callable[..., Any], temperature: float, top_p: float, top_k: int,
-                        min_p: float):
-    def run(logits: mx.array, *args: mx.array) -> Any:
-        return fn(_warp(logits, temperature, top_p, top_k, min_p), *args)
+def _compiled_with_warp(fn: Callable[..., Any], top_k: int, nucleus: bool, floor: bool):
+    """The compiled `fn(warp(logits), ...)` for a setting's structure (its top-k, whether top-p
+    and min-p filter); the values come in as an array (`_values`)."""
+    def run(logits: mx.array, values: mx.array, *args: mx.array) -> Any:
+        temperature, top_p, min_p = values[0], values[1], values[2]
+        return fn(_warp(logits, temperature, top_p if nucleus else None, top_k,
+                        min_p if floor else None), *args)
 
     return mx.compile(run)
 
 
-def _warp(logits: mx.array, temperature: float, top_p: float, top_k: int,
-          min_p: float) -> mx.array:
+def _warp(logits: mx.array, temperature: mx.array, top_p: mx.array | None, top_k: int,
+          min_p: mx.array | None) -> mx.array:
     logits = logits.astype(mx.float32) / temperature
     if 0 < top_k < logits.shape[-1]:
         index = mx.argpartition(-logits, top_k - 1, axis=-1)[..., :top_k]  # the k candidates
@@ -156,9 +169,11 @@ def _warp(logits: mx.array, temperature: float, top_p: float, top_k: int,
     return _nucleus(mx.softmax(logits, axis=-1, precise=True), top_p, min_p, ranked=False)
 
 
-def _nucleus(probs: mx.array, top_p: float, min_p: float, ranked: bool) -> mx.array:
-    """Top-p then min-p over the last axis; `ranked`: probs are sorted, most likely first."""
-    if top_p < 1.0:
+def _nucleus(probs: mx.array, top_p: mx.array | None, min_p: mx.array | None,
+             ranked: bool) -> mx.array:
+    """Top-p then min-p over the last axis (None: that filter is off); `ranked`: probs are
+    sorted, most likely first."""
+    if top_p is not None:
         # keep a token when the mass ranked strictly before it is below top_p
         if ranked:
             before = mx.cumsum(probs, axis=-1) - probs
@@ -170,7 +185,7 @@ def _nucleus(probs: mx.array, top_p: float, min_p: float, ranked: bool) -> mx.ar
             keep = mx.put_along_axis(mx.zeros_like(before < top_p), order, before < top_p,
                                      axis=-1)
             probs = _renormalize(probs, keep)
-    if min_p > 0.0:
+    if min_p is not None:
         keep = probs >= min_p * probs.max(axis=-1, keepdims=True)
         probs = _renormalize(probs, keep)
     return probs
