@@ -95,14 +95,27 @@ def drain_first_two(decoder, uids: list[int], counts, paths) -> None:
         paths["accepted" if stats[uid].accepted else "rejected"] += 1
 
 
+def assert_first_two(counts, paths, exact: dict, wrong: dict, both_paths: bool = True) -> None:
+    """The suite's verdict on sampled first-two-token pairs (`counts`, and `paths` as
+    `drain_first_two` books them): both the accept and the resample path occurred (unless the
+    rows drafted nothing: `both_paths` False), the chi-square against the exact joint is below
+    the threshold, and against the wrong joint above it (the samples can tell them apart)."""
+    n = sum(counts.values())
+    if both_paths:
+        assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
+    stat, df = chi2_statistic(counts, exact, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
+    assert wrong_stat > chi2_threshold(wrong_df), (wrong_stat, wrong_df)
+
+
 def check_first_two_tokens(make_decoder, ids: list[int], draft, n: int, exact: dict,
-                           wrong: dict, rows: int = 100, **insert) -> None:
-    """Sample the first two tokens after `ids` in `n` rows drafting k = 2 with `draft` (rows
+                           wrong: dict, rows: int = 100, k: int | str = 2,
+                           both_paths: bool = True, **insert) -> None:
+    """Sample the first two tokens after `ids` in `n` rows drafting `k` with `draft` (rows
     `rows` at a time in decoders from `make_decoder()`, each from a copy of the prompt's
-    prefilled caches; row i seeded with i; `insert`: more arguments of every row, its sampling
-    settings as `sampling(seed)`) and assert: both the accept and the resample path occurred,
-    the chi-square against the exact joint is below the threshold, and against the wrong joint
-    above it (the samples can tell them apart)."""
+    prefilled caches; row i seeded with i where its sampling uses it; `insert`: more arguments
+    of every row, its sampling settings as `sampling(seed)`), then `assert_first_two`."""
     from collections import Counter
 
     sampling = insert.pop("sampling")
@@ -110,15 +123,11 @@ def check_first_two_tokens(make_decoder, ids: list[int], draft, n: int, exact: d
     counts, paths = Counter(), Counter()
     for begin in range(0, n, rows):
         decoder = make_decoder()
-        uids = [insert_from(decoder, cache, ids, draft=draft, k=2, max_tokens=3,
+        uids = [insert_from(decoder, cache, ids, draft=draft, k=k, max_tokens=3,
                             sampling=sampling(seed), **insert)
                 for seed in range(begin, min(n, begin + rows))]
         drain_first_two(decoder, uids, counts, paths)
-    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
-    stat, df = chi2_statistic(counts, exact, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df), (wrong_stat, wrong_df)
+    assert_first_two(counts, paths, exact, wrong, both_paths)
 
 
 def windowed_logits(model, ids, window: int, keep: int = 4) -> np.ndarray:
@@ -177,12 +186,7 @@ def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, co
                 decoder.insert(prompts[j // every], draft=kind, k=k, max_tokens=4 + j // 8,
                                sampling=s)
         drain_first_two(decoder, uids, counts, paths)
-    n = sum(counts.values())
-    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths
-    stat, df = chi2_statistic(counts, exact, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df), (wrong_stat, wrong_df)
+    assert_first_two(counts, paths, exact, wrong)
 
 
 def drain(decoder) -> dict[int, list[int]]:

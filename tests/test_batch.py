@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.reference import (
+    assert_first_two,
     chi2_statistic,
     chi2_threshold,
     drain_first_two,
@@ -314,12 +315,7 @@ def test_first_two_tokens_follow_the_oracle_inside_mixed_batches(pair, oracle, s
                 decoder.insert(tok.encode(TEXTS[j // 12]), draft=kind, k=k,
                                max_tokens=2 + j // 6, sampling=s)
         drain_first_two(decoder, uids, counts, paths)
-    n = sum(counts.values())
-    assert paths["accepted"] > 0 and paths["rejected"] > 0, paths  # both paths shape the pair
-    stat, df = chi2_statistic(counts, joint, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    assert_first_two(counts, paths, joint, wrong)  # both paths shape the pair
 
 
 def test_unseeded_plain_rows_drawn_together_follow_the_oracle(pair, oracle):

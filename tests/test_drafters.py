@@ -23,15 +23,13 @@ The models are the tiny Qwen3 target with every kind of drafter (conftest.py's `
 
 from __future__ import annotations
 
-from collections import Counter
-
 import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from tests.fixtures import VOCAB
-from tests.reference import chi2_statistic, chi2_threshold, drain, two_step_joint
+from tests.reference import check_first_two_tokens, drain, two_step_joint
 from tinydraft_mlx import BatchDecoder, PromptCache, SamplingParams, batch_generate, generate
 from tinydraft_mlx.engine.drafters import (
     HostDrafter,
@@ -169,37 +167,13 @@ CASES = [(name, False) for name in NAMES] + [("none", True)]  # seeded: plain de
 @pytest.mark.parametrize("name,seeded", CASES,
                          ids=[f"{n}-{'seeded' if s else 'unseeded'}" for n, s in CASES])
 def test_sampled_first_two_tokens_follow_the_oracle(eagle, copying, name, seeded):
-    target, _, tok = eagle[2]
+    target = eagle[2][0]
     prompt, exact, wrong = copying
     model = _model_for(name, eagle)
-    source = resolve_drafter(name, model, target)
-    cache = PromptCache(target, source)  # the prompt prefilled once; each row starts from a copy
-    generate(target, source, tok, prompt, k=2, max_tokens=1, prompt_cache=cache)
-    counts, paths = Counter(), Counter()
-    for batch in range(BATCHES):
-        decoder = BatchDecoder(target, model)
-        uids = []
-        for j in range(ROWS):
-            row = cache.copy()
-            row.reuse(prompt)
-            uids.append(decoder.insert(
-                prompt, draft=name, k=2, max_tokens=2, target_cache=row.target_cache,
-                draft_cache=row.draft_cache, sampling=SamplingParams(
-                    1.0, top_p=0.8, seed=batch * ROWS + j if seeded else None)))
-        firsts = {uid: [] for uid in uids}
-        while len(decoder):
-            for uid, tokens in decoder.step().items():
-                firsts[uid] += tokens
-        for uid in uids:
-            counts[tuple(t.id for t in firsts[uid][:2])] += 1
-            paths[any(t.from_draft for t in firsts[uid])] += 1
-    if name != "none":
-        assert paths[True] > 0 and paths[False] > 0, paths  # accepted and resampled both
-    n = ROWS * BATCHES
-    stat, df = chi2_statistic(counts, exact, n)
-    assert stat < chi2_threshold(df), (stat, df)
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, n)
-    assert wrong_stat > chi2_threshold(wrong_df), (wrong_stat, wrong_df)
+    check_first_two_tokens(
+        lambda: BatchDecoder(target, model), prompt, name, ROWS * BATCHES, exact, wrong,
+        rows=ROWS, both_paths=name != "none",  # accepted and resampled both, where it drafts
+        sampling=lambda seed: SamplingParams(1.0, top_p=0.8, seed=seed if seeded else None))
 
 
 @pytest.mark.parametrize("name", NAMES)

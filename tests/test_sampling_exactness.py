@@ -17,18 +17,10 @@ samples scored against the distribution without top-p must exceed the threshold,
 test can detect a wrong warp.
 """
 
-from collections import Counter
 
 import pytest
 
-from tests.reference import (
-    chi2_statistic,
-    chi2_threshold,
-    insert_from,
-    prefilled,
-    two_step_joint,
-    windowed_logits,
-)
+from tests.reference import check_first_two_tokens, two_step_joint, windowed_logits
 from tests.scripted import scripted
 from tinydraft_mlx import BatchDecoder, Hybrid, SamplingParams, generate
 from tinydraft_mlx.generation.prompt_cache import MARGIN
@@ -72,28 +64,10 @@ def test_first_two_tokens_follow_oracle(pair, oracle, load, warp_kw, drafter, se
     def make():
         return BatchDecoder(target, draft, max_kv_size=bound, max_k=MARGIN - 1)
 
-    cache = prefilled(make, ids, "model")  # each row starts from a copy of the prompt's caches
-    counts, from_draft = Counter(), Counter()
-    for batch in range(N // ROWS):
-        decoder = make()
-        uids = [insert_from(decoder, cache, ids, draft="model", k=k, max_tokens=3,
-                            sampling=SamplingParams(warp_kw["temperature"], warp_kw["top_p"],
-                                                    seed=batch * ROWS + j if seeded else None))
-                for j in range(ROWS)]
-        out, stats = {uid: [] for uid in uids}, {}
-        while len(decoder):
-            for uid, tokens in decoder.step().items():
-                out[uid] += [t.id for t in tokens]
-                stats[uid] = tokens[-1].stats
-        for uid in uids:
-            counts[tuple(out[uid][:2])] += 1
-            from_draft[min(stats[uid].accepted, 2)] += 1
-    assert from_draft[0] > 0 and from_draft[1] + from_draft[2] > 0, from_draft  # both paths
-    stat, df = chi2_statistic(counts, exact, N)
-    assert stat < chi2_threshold(df), (stat, df)
-
-    wrong_stat, wrong_df = chi2_statistic(counts, wrong, N)
-    assert wrong_stat > chi2_threshold(wrong_df)
+    check_first_two_tokens(make, ids, "model", N, exact, wrong, rows=ROWS, k=k,
+                           sampling=lambda seed: SamplingParams(
+                               warp_kw["temperature"], warp_kw["top_p"],
+                               seed=seed if seeded else None))
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.7, 20), (1.0, 0)])

@@ -13,7 +13,7 @@ import copy
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,16 @@ def fingerprint(model: nn.Module) -> str:
     for _, w in (flat[0], flat[-1]):
         digest.update(np.array(w.reshape(-1)[:256].astype(mx.float32)).tobytes())
     return digest.hexdigest()[:32]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _trimmable_to(cache: Cache, keep: int) -> bool:
@@ -132,12 +142,7 @@ class PromptCache:
         """Make the caches hold a prefix of `prompt` (at most all but its last token): the common
         prefix with `tokens` where it can be kept, else nothing. Returns the target's reused
         tokens."""
-        common = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != b:
-                break
-            common += 1
-        keep = min(common, len(prompt) - 1)
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         target_keep = min(keep, cache_length(self.target_cache))
         if _trimmable_to(self.target_cache, target_keep):
             rollback(self.target_cache, target_keep)
@@ -157,12 +162,8 @@ class PromptCache:
         """The target tokens `reuse(prompt)` would keep: the common prefix (at most all but the
         prompt's last token) where the target's cache can be cut back to it, else 0 (a
         recurrent state after a longer sequence, a ring wrapped past its margin)."""
-        common = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != b:
-                break
-            common += 1
-        keep = min(common, len(prompt) - 1, cache_length(self.target_cache))
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1,
+                   cache_length(self.target_cache))
         return keep if _trimmable_to(self.target_cache, keep) else 0
 
     def copy(self) -> PromptCache:

@@ -16,17 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
-from ..generation.prompt_cache import PromptCache
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from ..generation.prompt_cache import PromptCache, common_prefix
 
 
 class PromptCachePool:

@@ -190,8 +190,7 @@ class Worker:
         the same way (a stream gets its error event instead of being cut)."""
         self._deadline = time.monotonic() + max(0.0, grace)
         for job in self._waiting():
-            self.counts["cancelled"] += 1
-            _deliver(job, Failed(ShuttingDown()))
+            self._turn_away(job)
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Cancel the waiting jobs and the running ones (each gets its `Done(cancelled=True)`
@@ -203,6 +202,11 @@ class Worker:
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _turn_away(self, job: Job) -> None:
+        """A waiting job that will not start: the server is shutting down."""
+        self.counts["cancelled"] += 1
+        _deliver(job, Failed(ShuttingDown()))
 
     def _waiting(self) -> list[Job]:
         """The waiting jobs, taken out of the queue."""
@@ -286,8 +290,7 @@ class Worker:
             self.counts["cancelled"] += 1
             return
         if self._deadline is not None:  # taken from the queue as the shutdown began
-            self.counts["cancelled"] += 1
-            _deliver(job, Failed(ShuttingDown()))
+            self._turn_away(job)
             return
         plan = prepare(self.target, job.draft, self.tokenizer, job.prompt, job.options,
                        model=self.draft)

@@ -320,10 +320,7 @@ class HeadChain(Chain):
         """A row that leaves before joining: what its prefill fed the head was read from the
         chain's feed, which goes; its cache is emptied (it starts anew)."""
         self.feeds.pop(row.uid, None)
-        if isinstance(cache, HeadCache):
-            cache.clear()
-        else:
-            rollback(cache, 0)
+        cache.clear()  # a HeadCache: its head's `row_cache` made it
         return cache
 
     def leave(self, rows: list[Any]) -> dict[int, Cache]:

@@ -8,7 +8,7 @@ protocol (protocol.py), never its kind.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -29,13 +29,18 @@ class Proposals:
     """One round's proposals for every row of the batch, in row order: `ks` the tokens each row
     drafts (0: a plain step), host ids where the host proposed (else None), and the model's
     chain (model rows, steps) with each row's index in it (None for a host row). `q`: a row's
-    (k, Vq) draft distributions when it sampled from the model (None: point masses)."""
+    (k, Vq) draft distributions where it drew from one, from its model or on the host (None:
+    point masses)."""
 
     ks: list[int]
     host: list[list[int] | None]
     chain: mx.array | None
     chain_rows: list[int | None]
     q: list[mx.array | None]
+    widest: int = field(init=False)  # the widest q of the round (0: none)
+
+    def __post_init__(self) -> None:
+        self.widest = max((q.shape[-1] for q in self.q if q is not None), default=0)
 
     @classmethod
     def plain(cls, rows: int) -> Proposals:
@@ -72,7 +77,7 @@ class Proposals:
         """Row b's (k, W) draft distributions, W the round's one width for q: the target's
         (`width`), or a wider draft's where one proposed, so that every row's q stacks. Point
         masses for a host proposal; a narrower draft's q is zero on the ids it lacks."""
-        width = max([width] + [q.shape[-1] for q in self.q if q is not None])
+        width = max(width, self.widest)
         q = self.q[b]
         if q is None:
             return point_mass(self.drafts(b), width)

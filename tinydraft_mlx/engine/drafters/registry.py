@@ -27,7 +27,6 @@ from .sources import (
     Hybrid,
     HybridDraft,
     LookupDraft,
-    ModelDraft,
     NoDraft,
     model_source,
 )
@@ -101,12 +100,10 @@ def resolve_drafter(draft: object, model: nn.Module | None = None,
             raise ParameterError("draft", '"mtp" with a target whose MTP layer is loaded '
                                  '(load_models(draft="mtp"))', draft)
         raise ParameterError("draft", f'"{draft}" with models that can draft so', draft)
-    if isinstance(draft, (NoDraft, ModelDraft, LookupDraft, HybridDraft)):
-        return draft
     if callable(getattr(draft, "source", None)):  # a plug-in drafter
         return draft.source()
     if all(callable(getattr(draft, name, None)) for name in ("host_proposal", "settle")):
-        return draft  # a plug-in's source itself
+        return draft  # a source already resolved (ours, or a plug-in's)
     if isinstance(draft, PromptLookup):
         return LookupDraft(draft)
     if isinstance(draft, Hybrid):

@@ -99,15 +99,20 @@ class HeadDraft(ModelDraft):
 
     def first_logits(self, ids: list[int]) -> mx.array | None:
         """Its logits after `ids`, reading the target's state before the last token."""
-        states = self.model.target_states(ids)
-        logits, _ = self.model(mx.array([ids[1:]]), None, hidden=states[:, :-1])
-        return logits[0, -1]
+        return self._read(ids, None)[0][0, -1]
 
     def prime(self, cache: Cache, ids: list[int]) -> dict[str, mx.array]:
         """Its cache from the target's states of `ids`; the next step reads the last one."""
-        states = self.model.target_states(ids)
-        mx.eval(self.model(mx.array([ids[1:]]), cache, hidden=states[:, :-1]))
+        logits, states = self._read(ids, cache)
+        mx.eval(logits)
         return {"hidden": states[:, -1:]}
+
+    def _read(self, ids: list[int], cache: Cache | None) -> tuple[mx.array, mx.array]:
+        """(its logits over ids[1:], each position reading the target's state before it, the
+        target's states of `ids`), its `cache` (if any) advanced."""
+        states = self.model.target_states(ids)
+        logits, _ = self.model(mx.array([ids[1:]]), cache, hidden=states[:, :-1])
+        return logits, states
 
 
 class LookupDraft(HostDrafter):
