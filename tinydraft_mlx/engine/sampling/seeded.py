@@ -18,8 +18,8 @@ any round, batch or process, on any backend. Two hashes give a uniform w in (0, 
 (`gumbel_of`), and the noise is the Gumbel quantile at 1 - w, -log(-log1p(-w)), computed from w
 so that float32 keeps its resolution where the upper tail needs it: the noise spans about
 [-3.5, 33.6], and a token whose probability is down to e^-36 of the top one's can still be drawn
-(with 24 bits the span was [-2.8, 17.3]: a token below e^-20 of the top could never be). The
-draw differs from an exact Gumbel-max only on events of probability below 2^-47.
+(24 bits would bound it to [-2.8, 17.3]: no token below e^-20 of the top). The draw differs
+from an exact Gumbel-max only on events of probability below 2^-47.
 """
 
 from __future__ import annotations
