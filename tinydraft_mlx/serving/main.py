@@ -48,6 +48,7 @@ from .worker import Worker
 __all__ = ["Defaults", "build_app", "create_app", "main", "setup_arg_parser"]
 
 GRACE = 30.0  # seconds running requests may take to finish once the server is told to stop
+BACKSTOP = 5  # seconds uvicorn waits beyond GRACE before it cuts connections itself
 
 DEFAULT_BATCH = 16  # --max-batch: measured with bench/server.py (results/README.md)
 MAX_BATCH = 256
@@ -192,7 +193,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 class Draining(uvicorn.Server):
     """uvicorn's Server, whose stop (SIGINT / SIGTERM) first tells the worker: waiting requests
     get a 503 at once and running ones may finish within `grace` seconds, then end with an
-    error event; uvicorn's own grace is a second longer, so it never cuts a stream itself."""
+    error event; uvicorn's own grace, a backstop, is BACKSTOP seconds longer (a round in flight
+    and the error event's delivery fit in it on a loaded machine), so it never cuts a stream
+    itself."""
 
     def __init__(self, config: uvicorn.Config, worker: Worker, grace: float) -> None:
         super().__init__(config)
@@ -232,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = limits.config(app, host=args.host, port=args.port, log_level=args.log_level,
                            header_timeout=args.header_timeout,
                            max_connections=args.max_connections,
-                           timeout_graceful_shutdown=math.ceil(grace) + 1)
+                           timeout_graceful_shutdown=math.ceil(grace) + BACKSTOP)
     limits.limit_logs()  # after uvicorn's Config has set its loggers up
     Draining(config, service.worker, grace).run()
     if argv is None:
