@@ -74,8 +74,10 @@ def test_sigterm_with_a_full_queue_answers_every_request():
     proc, url = _start_server("--max-batch", "1", "--max-queue", "4",
                               "--timeout-graceful-shutdown", "2", "--draft", "none")
     try:
-        body = {"prompt": "def parse_args(", "max_tokens": 1900, "stream": True,
-                "temperature": 0.8}
+        # EOS (id 0) forbidden and a budget near the context: the stream can only end by the
+        # grace, whatever the sample or the machine's speed.
+        body = {"prompt": "def parse_args(", "max_tokens": 4000, "stream": True,
+                "temperature": 0.8, "logit_bias": {"0": -100}}
         with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as r, \
                 ThreadPoolExecutor(2) as pool:
             lines = r.iter_lines()
@@ -96,7 +98,7 @@ def test_sigterm_with_a_full_queue_answers_every_request():
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2][6:])
-        assert error["error"]["code"] == "shutting_down", rest[-2]
+        assert error.get("error", {}).get("code") == "shutting_down", rest[-2]
         assert proc.wait(30) == 0
         log = proc.stderr.read()
         assert "Traceback" not in log and "CancelledError" not in log, log
