@@ -17,7 +17,6 @@ samples scored against the distribution without top-p must exceed the threshold,
 test can detect a wrong warp.
 """
 
-
 import pytest
 
 from tests.reference import check_first_two_tokens, two_step_joint, windowed_logits
