@@ -139,8 +139,17 @@ def _progress(progress: Progress, total: int) -> Callable[[int], None]:
 
 
 def max_draft_length(source: Source, k: int | str) -> int:
-    """The most tokens a round may draft: 0 without drafting, AUTO_MAX_K for k="auto", else k."""
-    return 0 if not source.drafts else AUTO_MAX_K if k == AUTO else k
+    """The most tokens a round may draft: 0 without drafting, AUTO_MAX_K for k="auto" (at most
+    what the drafter can propose, `max_k`), else k. ParameterError for a k beyond `max_k`."""
+    if not source.drafts:
+        return 0
+    top = getattr(source, "max_k", None)  # a plug-in written before `max_k` has none
+    if k == AUTO:
+        return AUTO_MAX_K if top is None else min(AUTO_MAX_K, top)
+    if top is not None and k > top:
+        raise ParameterError("k", f"at most {top} with the {source.name} drafter (the most it "
+                             "proposes in a round)", k)
+    return k
 
 
 def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:

@@ -1,0 +1,119 @@
+"""Train a DFlash block drafter (tinydraft_mlx.engine.drafters.dflash's module, MLX) on a target's
+own outputs, and write it in the reference's checkpoint layout. Used by `train_dflash.py` (the
+demo's drafter) and by the tests' fixtures (a tiny drafter for a tiny target).
+
+The recipe is the paper's (arXiv 2602.06036): the target's states after the chosen layers
+(spread over its depth) are the context; a block starts at an anchor position a with the
+token x_a and block_size - 1 mask tokens; the loss is the KL divergence from the target's own
+next-token distributions at positions a .. a + block_size - 2 (teacher-forced on the text) to
+the drafter's at block positions 1 .. block_size - 1, at T = 1 (what acceptance rewards). Every
+batch draws one anchor for all its windows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from tinydraft_mlx.engine import hidden
+from tinydraft_mlx.engine.drafters.dflash import DFlashConfig, DFlashDraft
+
+
+def drafter_config(target: nn.Module, *, block_size: int, mask_token_id: int, layers: int,
+                   target_layer_ids: list[int], version: int = 1, selector_top_k: int = 8,
+                   selector_rank: int = 16) -> dict:
+    """A config.json for a DFlash drafter of `layers` Qwen3 layers shaped as the target's."""
+    args = hidden.text_model(target).args
+    size, heads = args.hidden_size, args.num_attention_heads
+    extra = {"block_size": block_size, "mask_token_id": mask_token_id,
+             "target_layer_ids": target_layer_ids}
+    if version == 2:
+        extra.update(conv_kernel_size=3, conv_group_size=max(1, size // 8),
+                     selector_rank=selector_rank, selector_top_k=selector_top_k)
+    return {
+        "architectures": ["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"],
+        "model_type": "qwen3", "vocab_size": args.vocab_size, "hidden_size": size,
+        "intermediate_size": 2 * size, "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(args, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(args, "head_dim", None) or size // heads,
+        "rms_norm_eps": 1e-6, "rope_theta": float(getattr(args, "rope_theta", 10000.0)),
+        "max_position_embeddings": 4096,
+        "num_target_layers": len(hidden.text_model(target).layers),
+        "tie_word_embeddings": False, "dflash_config": extra,
+    }
+
+
+def features(draft: DFlashDraft, target: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """The target's logits over windows `x` and the states the drafter reads."""
+    if not hidden.watch(target, draft.after):
+        raise ValueError("the target's layers the drafter reads are not found")
+    with hidden.capture() as seen:
+        logits = target(x)
+    return logits, draft.read(seen)[-1]
+
+
+def block_loss(draft: DFlashDraft, logits: mx.array, states: mx.array, x: mx.array,
+               anchor: int) -> mx.array:
+    """KL(target || drafter) over a block at `anchor` of every window (see the docstring)."""
+    size = draft.block_size
+    masks = mx.full((x.shape[0], size - 1), draft.config.mask_token_id, dtype=x.dtype)
+    block = mx.concatenate([x[:, anchor : anchor + 1], masks], axis=1)
+    q, _ = draft(block, draft.make_cache(), context=states[:, :anchor])
+    p = logits[:, anchor : anchor + size - 1]
+    logp = p - mx.logsumexp(p, axis=-1, keepdims=True)
+    logq = q - mx.logsumexp(q, axis=-1, keepdims=True)
+    return (mx.exp(logp) * (logp - logq)).sum(-1).mean()
+
+
+def distil(draft: DFlashDraft, target: nn.Module, windows: np.ndarray, *, steps: int,
+           batch: int = 16, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Adam on `block_loss` over random windows of `windows` (n, S) token ids; the losses."""
+    rng = np.random.default_rng(seed)
+    size, length = draft.block_size, windows.shape[1]
+    opt = optim.Adam(learning_rate=lr)
+    step = nn.value_and_grad(draft, block_loss)
+    losses = []
+    for _ in range(steps):
+        x = mx.array(windows[rng.integers(0, len(windows), batch)])
+        logits, states = features(draft, target, x)
+        logits, states = mx.stop_gradient(logits), mx.stop_gradient(states)
+        anchor = int(rng.integers(1, length - size + 1))
+        loss, grads = step(draft, logits, states, x, anchor)
+        opt.update(draft, grads)
+        mx.eval(draft.parameters(), opt.state, loss)
+        losses.append(float(loss))
+    return losses
+
+
+def new_drafter(target: nn.Module, config: dict, seed: int = 0) -> DFlashDraft:
+    """A drafter of `config` over `target`, freshly initialised (MLX's default inits; a DFlash2
+    convolution's base kernel starts as the identity)."""
+    mx.random.seed(seed)
+    draft = DFlashDraft(target, DFlashConfig.parse(config, "a new drafter"))
+    for layer in draft.layers:
+        for name in ("attention_conv", "mlp_conv"):
+            if name in layer:
+                kernel = mx.zeros(layer[name].base_kernel.shape)
+                layer[name].base_kernel = kernel.at[:, 0].add(1.0)
+    return draft
+
+
+def save(draft: DFlashDraft, config: dict, out: Path) -> Path:
+    """The drafter's config.json and model.safetensors (DFlash2's codebooks under the hub's
+    names, without ".weight") in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = dict(tree_flatten(draft.parameters()))
+    for name in ("predecessor_codebook", "successor_codebook"):
+        key = f"candidate_selector.{name}"
+        if key + ".weight" in weights:
+            weights[key] = weights.pop(key + ".weight")
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    return out
