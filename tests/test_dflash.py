@@ -369,3 +369,43 @@ def test_load_models_recognises_a_dflash_directory_and_the_server_drafts_with_it
             assert reply["usage"]["speculative"]["draft"] == body.get("draft", "dflash")
     finally:
         served.close()
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_a_quantized_target_gets_a_drafter_quantized_alike(eagle, dflash, tmp_path):
+    """A 4-bit target (group 32): the drafter loads quantized alike (its linear layers 4-bit),
+    drafts, and greedy and seeded outputs equal that target's plain decoding; a checkpoint saved
+    quantized (config "quantization") loads as it was saved."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    from tests.fixtures import write_dflash
+    from tinydraft_mlx import generate, load_models
+
+    target, _, tok = load_models(str(eagle[0]), "none", dtype="float32")
+    nn.quantize(target, group_size=32, bits=4)
+    draft = load_dflash(target, write_dflash(eagle[0], tmp_path / "d", steps=30))
+    assert isinstance(draft.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert draft.layers[0].self_attn.q_proj.bits == 4
+    drafted = 0
+    for ids, _ in eagle[4]:
+        plain, _ = generate(target, None, tok, ids, max_tokens=NEW)
+        out, stats = generate(target, draft, tok, ids, k=7, max_tokens=NEW)
+        assert out == plain
+        drafted += stats.drafted
+        kw = dict(max_tokens=NEW, temperature=0.8, seed=3)
+        assert generate(target, draft, tok, ids, k=7, **kw)[0] == \
+            generate(target, None, tok, ids, **kw)[0]
+    assert drafted > 0
+    saved = tmp_path / "q"
+    saved.mkdir()
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "quantization": {
+        "group_size": 32, "bits": 4}}))
+    mx.save_safetensors(str(saved / "model.safetensors"), dict(tree_flatten(draft.parameters())))
+    again = load_dflash(target, saved)
+    assert isinstance(again.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+    block, context = mx.array([eagle[4][0][0][-1:] + [0] * 15]), mx.zeros((1, 3, 128))
+    _close(again(block, again.make_cache(), context=context)[0],
+           draft(block, draft.make_cache(), context=context)[0])

@@ -143,8 +143,7 @@ class BlockChain(Chain):
         pending = [_joined(f.states) for f in feeds]
         counts = [0 if p is None else p.shape[0] for p in pending]
         n, size = max(counts), self.model.block_size
-        dim = model.fc.weight.shape[1]
-        dtype = model.fc.weight.dtype
+        dim, dtype = model.context_width, model.dtype
         context = mx.stack([mx.zeros((n, dim), dtype) if p is None else
                             mx.pad(p, [(0, n - p.shape[0]), (0, 0)]) if p.shape[0] < n else p
                             for p in pending])
@@ -200,7 +199,8 @@ class BlockDraft:
     def __init__(self, model: nn.Module) -> None:
         self.model = self.policy_key = model
         self.name = model.kind
-        self.max_k = model.block_size - 1
+        self.block = model.block_size
+        self.max_k = self.block - 1
 
     def begin(self, seq: list[int]) -> None:
         pass
@@ -243,8 +243,7 @@ class BlockDraft:
         (its next inputs: no new context)."""
         mx.eval(self._block(cache, ids))
         rollback(cache, len(ids) - 1)
-        dim = self.model.fc.weight.shape[1]
-        return {"context": mx.zeros((1, 0, dim), self.model.fc.weight.dtype)}
+        return {"context": mx.zeros((1, 0, self.model.context_width), self.model.dtype)}
 
     def _block(self, cache: Cache, ids: list[int]) -> mx.array:
         model = self.model

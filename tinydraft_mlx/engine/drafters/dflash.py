@@ -311,6 +311,16 @@ class DFlashDraft(nn.Module):
         object.__setattr__(self, "block_size", c.block_size)
 
     @property
+    def context_width(self) -> int:
+        """The width of the states it reads: the chosen target layers' side by side."""
+        return len(self.after) * self.config.hidden_size
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Its floating-point dtype (the target's)."""
+        return self.norm.weight.dtype
+
+    @property
     def selects(self) -> bool:
         """Whether proposals are walked by a candidate selector (DFlash2)."""
         return "candidate_selector" in self
@@ -340,7 +350,10 @@ class DFlashDraft(nn.Module):
                  shift: mx.array | int = 0) -> tuple[mx.array, mx.array]:
         B, L = block.shape
         x = self.embed(block)
-        ctx = self.hidden_norm(self.fc(context))
+        if context.shape[1]:
+            ctx = self.hidden_norm(self.fc(context))
+        else:  # no new context (a quantized matmul must not see an empty input)
+            ctx = mx.zeros((B, 0, self.config.hidden_size), x.dtype)
         layout = _Layout(cache[0].offset, shift, counts, ctx.shape[1], L)
         for layer, c in zip(self.layers, cache):
             x = layer(x, ctx, layout, c)
@@ -392,12 +405,35 @@ def is_dflash(path: str | Path) -> bool:
     return any(a in ARCHITECTURES for a in arch)
 
 
+def _quantization(target: nn.Module) -> dict | None:
+    """The target's {"group_size", "bits"} where its embeddings are quantized, else None."""
+    table = hidden.embeddings(target)
+    if isinstance(table, nn.QuantizedEmbedding):
+        return {"group_size": table.group_size, "bits": table.bits}
+    return None
+
+
+def _quantize(draft: DFlashDraft, group_size: int, bits: int,
+              stored: dict[str, mx.array] | None = None) -> None:
+    """Quantize the drafter's linear layers (those a checkpoint stores quantized: `stored`'s
+    `.scales`; else every one whose input width the group size divides)."""
+    def chosen(path: str, module: nn.Module) -> bool:
+        if stored is not None:
+            return f"{path}.scales" in stored
+        return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
+
+    nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=chosen)
+
+
 def load_dflash(target: nn.Module, path: str | Path) -> DFlashDraft:
     """The DFlash drafter in directory `path` for `target` (its states made capturable), cast to
-    the target's dtype. MtpError (one sentence) where it does not fit."""
+    the target's dtype; quantized as its checkpoint says (config "quantization"), or, where the
+    target is quantized and the checkpoint is not, alike (the target's bits and group size:
+    a drafter that costs as little beside it). MtpError (one sentence) where it does not fit."""
     path = Path(path)
     where = repr(str(path))
-    config = DFlashConfig.parse(json.loads((path / "config.json").read_text()), where)
+    raw = json.loads((path / "config.json").read_text())
+    config = DFlashConfig.parse(raw, where)
     text = hidden.text_model(target)
     depth = len(getattr(text, "layers", None) or hidden.body(target).layers)
     if not all(0 <= i <= depth - 2 for i in config.target_layer_ids):
@@ -420,12 +456,18 @@ def load_dflash(target: nn.Module, path: str | Path) -> DFlashDraft:
     if size is not None and size != config.hidden_size:
         raise MtpError(f"{where}: a DFlash drafter of hidden size {config.hidden_size} reads "
                        f"this target's embeddings of size {size}")
+    stored = raw.get("quantization") or raw.get("quantization_config")
+    if stored:
+        _quantize(draft, int(stored["group_size"]), int(stored["bits"]), weights)
     try:
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
         raise MtpError(f"{where}: the DFlash tensors do not fit its config: {err}") from None
     norm = hidden.final_norm(target)
     draft.set_dtype(norm.weight.dtype if norm is not None and "weight" in norm else mx.float32)
+    alike = None if stored else _quantization(target)
+    if alike is not None:
+        _quantize(draft, alike["group_size"], alike["bits"])
     mx.eval(draft.parameters())
     if not hidden.watch(target, config.target_layer_ids):
         raise MtpError(f"{type(target).__name__}: the layers a DFlash drafter reads are not found")

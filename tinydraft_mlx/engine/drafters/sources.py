@@ -34,7 +34,8 @@ class NoDraft(HostDrafter):
 class ModelDraft:
     """A draft model: the batch's chain of draft steps drafts this row every round."""
 
-    name, drafts, reads_target, cache_in_file, max_k = MODEL, True, False, True, None
+    name, drafts, reads_target, cache_in_file = MODEL, True, False, True
+    max_k = block = None
 
     def __init__(self, model: nn.Module) -> None:
         self.model = self.policy_key = model
@@ -185,7 +186,7 @@ class HybridDraft:
         self.drafter = model_source(hybrid.model)  # a draft model's or a head's
         self.reads_target = self.drafter.reads_target
         self.cache_in_file = self.drafter.cache_in_file
-        self.max_k = self.drafter.max_k
+        self.max_k, self.block = self.drafter.max_k, self.drafter.block
         self.lookup = LookupDraft(hybrid.lookup)
         # a string (as a model-free drafter's), stable across processes for the policy file
         self.policy_key = f"{HYBRID}:{fingerprint(hybrid.model)}:{hybrid.lookup!r}"
