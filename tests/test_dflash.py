@@ -409,3 +409,23 @@ def test_a_quantized_target_gets_a_drafter_quantized_alike(eagle, dflash, tmp_pa
     block, context = mx.array([eagle[4][0][0][-1:] + [0] * 15]), mx.zeros((1, 3, 128))
     _close(again(block, again.make_cache(), context=context)[0],
            draft(block, draft.make_cache(), context=context)[0])
+
+
+def test_auto_may_choose_the_whole_block(dflash):
+    """k="auto" reaches a block drafter's block_size - 1 (one draft forward whatever k): with
+    flat costs and every draft accepted it picks 15, where a chain's pair stops at 8."""
+    from tinydraft_mlx.engine.policy import AUTO_MAX_K, Acceptance, RoundCosts, choose
+    from tinydraft_mlx.engine.rounds import max_draft_length
+
+    assert max_draft_length(dflash.source(), "auto") == 15
+    costs = RoundCosts()
+    for k in range(16):
+        for _ in range(3):
+            costs.update(k, 0.010 + 0.0001 * k)
+    picks = []
+    for k_max in (15, AUTO_MAX_K):
+        row = Acceptance(k_max)
+        for _ in range(50):
+            row.update(k_max, k_max)
+        picks.append(choose(costs, [row], 100))
+    assert picks == [15, AUTO_MAX_K]
