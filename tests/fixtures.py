@@ -567,7 +567,7 @@ def write_dflash(target_dir: Path, out: Path, version: int = 1, block_size: int 
     from transformers import AutoTokenizer
 
     from tinydraft_mlx import load_models
-    from training.dflash import distil, drafter_config, new_drafter, save
+    from training.dflash import distil, drafter_config, new_drafter, rows_of, save
 
     target, _, _ = load_models(str(target_dir), "none", dtype="float32")
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -576,5 +576,5 @@ def write_dflash(target_dir: Path, out: Path, version: int = 1, block_size: int 
     draft = new_drafter(target, config, seed)
     stream = np.array([i for line in _corpus() if line.strip() for i in tok.encode(line)])
     windows = np.stack([stream[s : s + 40] for s in range(0, len(stream) - 41, 10)])
-    distil(draft, target, windows, steps=steps, seed=seed)
+    distil(draft, target, rows_of(windows), steps=steps, seed=seed)
     return save(draft, config, out)

@@ -262,10 +262,10 @@ def test_a_seed_fixes_the_text_at_any_block_length_and_batch(eagle, dflash, dfla
 
 @pytest.mark.usefixtures("cpu_fp32")
 def test_the_context_cache_holds_the_oracle_states_of_accepted_positions(eagle, dflash):
-    """After rounds that accepted and rejected (a seeded sampled row at T = 1, where the random
-    target's drafts are accepted more often than greedy): the drafter's cache (kept by the row)
-    == its keys/values of the transformers oracle's states of the final sequence, written in one
-    go; nothing of a rejected block stays."""
+    """Eight seeded sampled rows (T = 1, where the random target's drafts are accepted more
+    often than greedy) in one batch, after rounds that accepted and rejected: each row's drafter
+    cache (kept by the row) == the drafter's keys/values of the transformers oracle's states of
+    its final sequence, written in one go; nothing of a rejected block stays."""
     import torch
 
     from tinydraft_mlx import BatchDecoder, SamplingParams
@@ -273,28 +273,33 @@ def test_the_context_cache_holds_the_oracle_states_of_accepted_positions(eagle, 
     _, _, (target, _, _), _, refs, oracle = eagle
     decoder = BatchDecoder(target, dflash)
     ids, _ = refs[0]
-    uid = decoder.insert(ids, draft=dflash, k=7, max_tokens=NEW, keep_caches=True,
-                         sampling=SamplingParams(1.0, seed=3))  # seeded: accepts some
-    while uid not in decoder.finished:
+    uids = [decoder.insert(ids, draft=dflash, k=7, max_tokens=NEW, keep_caches=True,
+                           sampling=SamplingParams(1.0, seed=seed)) for seed in range(8)]
+    while not all(uid in decoder.finished for uid in uids):
         decoder.step()
-    done = decoder.finished[uid]
-    seq = ids + done.tokens
-    assert done.stats.drafted > done.stats.accepted > 0
-    with torch.no_grad():
-        run = oracle.model(torch.tensor([seq[:-1]]), output_hidden_states=True)
-    states = np.concatenate([run.hidden_states[j + 1][0].numpy() for j in dflash.after], -1)
-    cache = dflash.make_cache()
-    dflash.absorb(mx.array(states)[None], cache)
-    kept = done.draft_cache
-    assert kept.skip == 0
-    assert sum(s.shape[0] for s in kept.states) + kept[0].offset == len(seq) - 1
-    if kept.states:
-        dflash.absorb(mx.concatenate(kept.states)[None], kept)
-    for ours, theirs in zip(kept, cache):
-        assert ours.offset == theirs.offset == len(seq) - 1
-        n = ours.offset
-        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
-            assert float(mx.abs(a[..., :n, :] - b[..., :n, :]).max()) < 1e-4
+    accepted = 0
+    for uid in uids:
+        done = decoder.finished[uid]
+        seq = ids + done.tokens
+        accepted += done.stats.accepted
+        assert done.stats.drafted > done.stats.accepted
+        with torch.no_grad():
+            run = oracle.model(torch.tensor([seq[:-1]]), output_hidden_states=True)
+        states = np.concatenate([run.hidden_states[j + 1][0].numpy() for j in dflash.after],
+                                -1)
+        cache = dflash.make_cache()
+        dflash.absorb(mx.array(states)[None], cache)
+        kept = done.draft_cache
+        assert kept.skip == 0
+        assert sum(s.shape[0] for s in kept.states) + kept[0].offset == len(seq) - 1
+        if kept.states:
+            dflash.absorb(mx.concatenate(kept.states)[None], kept)
+        for ours, theirs in zip(kept, cache):
+            assert ours.offset == theirs.offset == len(seq) - 1
+            n = ours.offset
+            for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                assert float(mx.abs(a[..., :n, :] - b[..., :n, :]).max()) < 1e-4
+    assert accepted > 0
 
 
 @pytest.mark.usefixtures("cpu_fp32")
@@ -429,3 +434,16 @@ def test_auto_may_choose_the_whole_block(dflash):
             row.update(k_max, k_max)
         picks.append(choose(costs, [row], 100))
     assert picks == [15, AUTO_MAX_K]
+
+
+def test_the_server_refuses_flags_its_block_drafter_cannot_take(eagle, dflash, tmp_path):
+    from tests.fixtures import write_dflash
+    from tinydraft_mlx import ParameterError
+    from tinydraft_mlx.server import build_app, setup_arg_parser
+
+    out = write_dflash(eagle[0], tmp_path / "d", steps=1)
+    base = ["--target", str(eagle[0]), "--draft", str(out)]
+    for extra, message in ((["-k", "16"], "--num-draft-tokens must be at most 15 with the dflash"),
+                           (["--max-kv-size", "64"], "max_kv_size must be None with a dflash")):
+        with pytest.raises(ParameterError, match=message):
+            build_app(setup_arg_parser().parse_args(base + extra))

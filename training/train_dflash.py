@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=96)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--generated", type=int, default=256, help="own-text rows to generate")
@@ -106,11 +106,20 @@ def main() -> None:
     before = agreement(draft, target, held_windows, anchor)
     own = own_text(target, tok, code, args.generated, args.seq // 2, args.seq - args.seq // 2,
                    args.seed) if args.generated else None
-    code_windows = cut(code, 20000)
-    mixed = code_windows if own is None else np.concatenate(
-        [code_windows[: int(len(own) * (1 - args.own_share) / max(args.own_share, 1e-9))], own])
-    losses = distil(draft, target, mixed, steps=args.steps, batch=args.batch, lr=args.lr,
-                    seed=args.seed)
+    seq = args.seq
+
+    def draw(rng: np.random.Generator, n: int) -> np.ndarray:
+        """A batch: --own-share of it the target's own text, the rest fresh code windows."""
+        mine = 0 if own is None else int(round(n * args.own_share))
+        starts = rng.integers(0, len(code) - seq, n - mine)
+        rows = [code[s : s + seq] for s in starts]
+        if mine:
+            rows += list(own[rng.integers(0, len(own), mine)])
+        return np.stack(rows)
+
+    losses = distil(draft, target, draw, steps=args.steps, batch=args.batch, lr=args.lr,
+                    seed=args.seed, report=lambda i, loss: print(f"step {i}: loss {loss:.3f}",
+                                                                 flush=True))
     after = agreement(draft, target, held_windows, anchor)
     save_drafter(draft, config, OUT)
     settings = dict(vars(args))
