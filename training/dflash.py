@@ -126,12 +126,14 @@ def new_drafter(target: nn.Module, config: dict, seed: int = 0) -> DFlashDraft:
     return draft
 
 
-def save(draft: DFlashDraft, config: dict, out: Path) -> Path:
+def save(draft: DFlashDraft, config: dict, out: Path, dtype: mx.Dtype | None = None) -> Path:
     """The drafter's config.json and model.safetensors (DFlash2's codebooks under the hub's
-    names, without ".weight") in `out`."""
+    names, without ".weight"; its floating-point tensors cast to `dtype` where given) in
+    `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = dict(tree_flatten(draft.parameters()))
+    weights = {k: v.astype(dtype) if dtype is not None else v
+               for k, v in tree_flatten(draft.parameters())}
     for name in ("predecessor_codebook", "successor_codebook"):
         key = f"candidate_selector.{name}"
         if key + ".weight" in weights:

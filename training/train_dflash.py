@@ -121,7 +121,7 @@ def main() -> None:
                     seed=args.seed, report=lambda i, loss: print(f"step {i}: loss {loss:.3f}",
                                                                  flush=True))
     after = agreement(draft, target, held_windows, anchor)
-    save_drafter(draft, config, OUT)
+    save_drafter(draft, config, OUT, mx.float16)  # as the demo target's weights are stored
     settings = dict(vars(args))
     report = {"machine": machine(), "command": command(__file__, settings),
               "settings": {**settings, "dtype": "float32"},

@@ -23,10 +23,9 @@ import mlx.nn as nn
 
 from ..cache import Cache, cache_length, make_cache, rollback
 from ..forward import PREFILL_STEP
-from ..hidden import watch
 from ..sampling import ParameterError
-from .chains import Chain, HeadCache, _joined
-from .protocol import HostProposal
+from .chains import Chain, HeadCache, HeadChain, _Feed, _joined
+from .sources import HeadDraft
 
 
 class BlockCache(HeadCache):
@@ -56,19 +55,15 @@ class BlockCache(HeadCache):
         return BlockCache(layers, self.skip, self.states)
 
 
-class _Feed:
-    """A row's `skip` (None until its first states) and its unread states."""
+class BlockChain(HeadChain):
+    """A block drafter's rows in a batch (see the module docstring). Its rows' feeds, how they
+    leave and how a row that never joined is let go are a head's (chains.py's `HeadChain`:
+    `feeds`, `leave`, `release`), its cache a `BlockCache`."""
 
-    def __init__(self, skip: int | None = None, states: list[mx.array] | None = None) -> None:
-        self.skip, self.states = skip, list(states or [])
-
-
-class BlockChain(Chain):
-    """A block drafter's rows in a batch (see the module docstring)."""
+    cache_type = BlockCache
 
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         super().__init__(model, caches, chunk, width)
-        self.feeds: dict[int, _Feed] = {}
         self._logits: mx.array | None = None  # this round's proposals' logits (rows, L - 1, V)
         self._at = 0  # the step the chain is at
 
@@ -82,8 +77,8 @@ class BlockChain(Chain):
         into its cache, in chunks."""
         feed = self.feeds.get(row.uid)
         if feed is None:  # a prompt cache's drafter resumes where it stopped
-            feed = self.feeds[row.uid] = _Feed(getattr(cache, "skip", None),
-                                               getattr(cache, "states", None))
+            feed = self.feeds[row.uid] = _Feed()
+            feed.skip, feed.states = cache.skip, list(cache.states)  # a BlockCache
         states = [s.reshape(-1, s.shape[-1]) for s in self.model.read(seen)]
         if feed.skip is None and states:
             feed.skip = start - cache_length(cache)
@@ -93,35 +88,6 @@ class BlockChain(Chain):
             self.model.absorb(pending[None, at : at + PREFILL_STEP], cache, feed.skip)
             mx.eval([layer.state for layer in cache])
         return 0, True
-
-    def release(self, row: Any, cache: Cache) -> Cache | None:
-        """A row that leaves before joining: its cache emptied (it starts anew)."""
-        self.feeds.pop(row.uid, None)
-        cache.clear()  # a BlockCache: the source's `row_cache` made it
-        return cache
-
-    def leave(self, rows: list[Any]) -> dict[int, Cache]:
-        """Rows out; a row that keeps its caches leaves its `BlockCache` (with its unread
-        states) fitted to the sequence's last but one token, as the target's cache."""
-        index = {uid: j for j, uid in enumerate(self.uids)}
-        members = [r for r in rows if r.uid in index]
-        out: dict[int, Cache] = {}
-        for r in members:
-            feed = self.feeds[r.uid]
-            if not r.keep_caches or feed.skip is None:
-                continue
-            cache = self.caches.extract(index[r.uid])
-            block = cache if isinstance(cache, BlockCache) else BlockCache(cache)
-            block.skip, block.states = feed.skip, list(feed.states)
-            if block.keep_prefix(len(r.seq) - 1):
-                out[r.uid] = block
-            elif block is cache:
-                block.clear()
-        if members:
-            self._remove(index, members)
-        for r in rows:
-            self.feeds.pop(r.uid, None)
-        return out
 
     def commit(self, by_uid: dict[int, tuple[Any, int, bool, int]], seen: list | None) -> None:
         """Each row takes the verify's states of its accepted positions (its cache already
@@ -188,34 +154,18 @@ class BlockChain(Chain):
         return mx.put_along_axis(full, candidates, scores, axis=-1)
 
 
-class BlockDraft:
+class BlockDraft(HeadDraft):
     """A block drafter for one sequence (the drafter protocol's `Source`): drafted by the
-    batch's `BlockChain` every round, at most block_size - 1 tokens a round (`max_k`). Its cache
-    pairs with the target states it has not read (`BlockCache`), which a prompt cache file does
-    not hold: a loaded prompt cache's drafter starts anew, skipping the cached prefix."""
-
-    drafts, reads_target, cache_in_file = True, True, False
+    batch's `BlockChain` every round, at most block_size - 1 tokens a round (`max_k`), from one
+    forward of its block (`block`). As a head's (sources.py's `HeadDraft`: how it attaches to
+    its target, proposes nothing on the host), its cache pairs with the target states it has not
+    read (`BlockCache`), which a prompt cache file does not hold: a loaded prompt cache's
+    drafter starts anew, skipping the cached prefix."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = self.policy_key = model
-        self.name = model.kind
+        super().__init__(model)
         self.block = model.block_size
         self.max_k = self.block - 1
-
-    def begin(self, seq: list[int]) -> None:
-        pass
-
-    def host_proposal(self, k: int) -> list[int] | HostProposal | None:
-        return None
-
-    def settle(self, keep: int) -> None:
-        pass
-
-    def attach(self, target: nn.Module) -> None:
-        """ParameterError unless the drafter reads `target`; its states made capturable."""
-        if self.model.target is not target:
-            raise ParameterError("draft", "a drafter of this decoder's target", "another model's")
-        watch(target, self.model.after)
 
     def chain(self, caches: Any, chunk: int, width: int | None) -> Chain:
         return BlockChain(self.model, caches, chunk, width)
