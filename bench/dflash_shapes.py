@@ -1,13 +1,18 @@
 """What a DFlash drafter would pay on the shapes users run: a Qwen3-4B-shaped and a
-Qwen3.5-4B-shaped random target (mlx-lm's own models, random weights, bfloat16) with a random
-DFlash drafter of the published kind (5 Qwen3 layers of the target's width, block 16, reading 5
-target layers spread over its depth), on this CPU.
+Qwen3.5-4B-shaped random target (mlx-lm's own models, random weights, float32: this CPU's fast
+path; bfloat16 runs 3.4-7x slower here, without BLAS) with a random DFlash drafter of the
+published kind (5 Qwen3 layers of the target's width, block 16, reading 5 target layers spread
+over its depth).
 
-    python -m bench.dflash_shapes     # ~15 minutes on a 2-core machine, ~10 GB of memory
+    python -m bench.dflash_shapes     # ~10 minutes on a 2-core machine, ~7 GB of memory
 
-Measured (median of REPEATS after a warm-up, each shape in a process of its own): the target's
-decode step t_1 and its verify t_v(n) for n = 1..16 after a 64-token prompt, and the drafter's
-block forward t_b (16 positions over the same context). From these, a model, labelled as one:
+A whole 4B target in float32 (16 GB) does not fit beside the rest here, so the target is built
+with MEASURED of its layers (the Qwen3.5 one keeps its 3:1 Gated DeltaNet : attention pattern)
+and its full depth is extrapolated: t(n) = t_head(n) + (layers / MEASURED) (t_small(n) -
+t_head(n)), with t_head(n) the final norm and LM head on n positions, measured apart. Measured
+(median of REPEATS after a warm-up, each shape in a process of its own): the target's decode step
+t_1 and its verify t_v(n) for n in NS after a 64-token prompt, and the drafter's block forward t_b
+(16 positions over the same context, its 5 layers whole). From these, a model, labelled as one:
 a round verifies the whole block and emits tau tokens (tau: tokens per target forward, the
 drafter's quality, not measured here), so speed-up(tau) = tau * t_1 / (t_b + t_v(16)), for tau
 from 1 to 8; the tau at which drafting breaks even is reported. The shapes are stated in the
@@ -24,7 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REPEATS, PROMPT, BLOCK, DRAFT_LAYERS = 5, 64, 16, 5
+REPEATS, PROMPT, BLOCK, DRAFT_LAYERS = 3, 64, 16, 5
+MEASURED = {"qwen3-4b": 6, "qwen3.5-4b": 8}  # layers built and timed; the rest extrapolated
+NS = (1, 2, 4, 8, 12, 16)
 TAUS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 SHAPES = {
@@ -75,18 +82,18 @@ def worker(shape: str) -> dict:
     from tinydraft_mlx.engine.drafters.dflash import DFlashDraft, default_layer_ids
     from training.dflash import drafter_config, new_drafter
 
-    config = SHAPES[shape]
+    config = json.loads(json.dumps(SHAPES[shape]))
+    text = config.get("text_config", config)
+    depth, text["num_hidden_layers"] = text["num_hidden_layers"], MEASURED[shape]
     module = qwen3 if config["model_type"] == "qwen3" else qwen3_5
     mx.random.seed(0)
     target = module.Model(module.ModelArgs.from_dict(config))
-    target.set_dtype(mx.bfloat16)
     mx.eval(target.parameters())
-    depth = len(hidden.text_model(target).layers)
-    layers = default_layer_ids(depth, DRAFT_LAYERS)
+    layers = default_layer_ids(depth, DRAFT_LAYERS)  # as on the full target
+    measured = [min(j, MEASURED[shape] - 2) for j in layers]  # the layers the small one has
     cfg = drafter_config(target, block_size=BLOCK, mask_token_id=0, layers=DRAFT_LAYERS,
-                         target_layer_ids=layers)
+                         target_layer_ids=measured)
     draft: DFlashDraft = new_drafter(target, cfg)
-    draft.set_dtype(mx.bfloat16)
     mx.eval(draft.parameters())
     hidden.watch(target, draft.after)
     ids = mx.array([[(7 * i) % 1000 + 10 for i in range(PROMPT)]])
@@ -103,7 +110,17 @@ def worker(shape: str) -> dict:
             return out
         return run
 
-    t_v = {n: _median_ms(verify(n)) for n in range(1, BLOCK + 1)}
+    small = {n: _median_ms(verify(n)) for n in NS}
+    norm = hidden.final_norm(target)
+    head = draft.logits  # the target's LM head (tied or not)
+
+    def head_only(n: int):
+        x = mx.random.normal((1, n, text["hidden_size"]))
+        return lambda: head(norm(x))
+
+    heads = {n: _median_ms(head_only(n)) for n in NS}
+    scale = depth / MEASURED[shape]
+    t_v = {n: round(heads[n] + scale * max(0.0, small[n] - heads[n]), 2) for n in NS}
     block = mx.array([[11] + [0] * (BLOCK - 1)])
     draft_cache = draft.make_cache()
     draft.absorb(states[:, :-1], draft_cache)
@@ -118,9 +135,11 @@ def worker(shape: str) -> dict:
     rates = {tau: round(tau * t_1 / (t_b + t_v[BLOCK]), 3) for tau in TAUS}
     even = (t_b + t_v[BLOCK]) / t_1
     params = sum(v.size for _, v in tree_flatten(draft.parameters()))
-    return {"machine": machine(), "shape": shape, "config": config, "dtype": "bfloat16",
+    return {"machine": machine(), "shape": shape, "config": SHAPES[shape], "dtype": "float32",
+            "layers": depth, "measured_layers": MEASURED[shape],
             "draft": {"layers": DRAFT_LAYERS, "block_size": BLOCK, "target_layer_ids": layers,
                       "parameters": params},
+            "t_v_measured_ms": small, "t_head_ms": heads,
             "t_1_ms": t_1, "t_v_ms": t_v, "t_block_ms": t_b,
             "block_over_step": round(t_b / t_1, 3),
             "verify16_over_step": round(t_v[BLOCK] / t_1, 3),
@@ -156,13 +175,17 @@ def main() -> None:
     start = time.time()
     runs = [in_fresh_process(__file__, shape, timeout=1800) for shape in SHAPES]
     for run in runs:
-        run["t_v_ms"] = {str(k): v for k, v in run["t_v_ms"].items()}
+        for key in ("t_v_ms", "t_v_measured_ms", "t_head_ms"):
+            run[key] = {str(k): v for k, v in run[key].items()}
         run["predicted_speedup"] = {str(k): v for k, v in run["predicted_speedup"].items()}
     report = {"machine": runs[0]["machine"], "settings": {
-        "shapes": list(SHAPES), "dtype": "bfloat16", "prompt": PROMPT, "block_size": BLOCK,
-        "draft_layers": DRAFT_LAYERS, "repeats": REPEATS, "taus": TAUS,
+        "shapes": list(SHAPES), "dtype": "float32", "prompt": PROMPT, "block_size": BLOCK,
+        "draft_layers": DRAFT_LAYERS, "repeats": REPEATS, "taus": TAUS, "ns": NS,
+        "measured_layers": MEASURED,
         "model": "speed-up(tau) = tau * t_1 / (t_block + t_v(16)): every round verifies the "
-                 "whole block; tau is not measured here", "seconds": round(time.time() - start)},
+                 "whole block; tau is not measured here; the target's full depth extrapolated "
+                 "from its measured layers (t_head + depth / measured * (t - t_head))",
+        "seconds": round(time.time() - start)},
         "runs": [{k: v for k, v in r.items() if k != "machine"} for r in runs]}
     print(save(report, "dflash_shapes", plot))
 
