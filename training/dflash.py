@@ -63,8 +63,10 @@ def features(draft: DFlashDraft, target: nn.Module, x: mx.array) -> tuple[mx.arr
 
 
 def block_loss(draft: DFlashDraft, logits: mx.array, states: mx.array, x: mx.array,
-               anchor: int) -> mx.array:
-    """KL(target || drafter) over a block at `anchor` of every window (see the docstring)."""
+               anchor: int, decay: float | None = None) -> mx.array:
+    """KL(target || drafter) over a block at `anchor` of every window (see the docstring),
+    block position i weighted exp(-(i - 1) / decay) where `decay` is given (the paper's
+    emphasis on the early positions, which every accepted run passes through), else alike."""
     size = draft.block_size
     masks = mx.full((x.shape[0], size - 1), draft.config.mask_token_id, dtype=x.dtype)
     block = mx.concatenate([x[:, anchor : anchor + 1], masks], axis=1)
@@ -72,7 +74,11 @@ def block_loss(draft: DFlashDraft, logits: mx.array, states: mx.array, x: mx.arr
     p = logits[:, anchor : anchor + size - 1]
     logp = p - mx.logsumexp(p, axis=-1, keepdims=True)
     logq = q - mx.logsumexp(q, axis=-1, keepdims=True)
-    return (mx.exp(logp) * (logp - logq)).sum(-1).mean()
+    kl = (mx.exp(logp) * (logp - logq)).sum(-1)  # (B, size - 1)
+    if decay is None:
+        return kl.mean()
+    weights = mx.exp(-mx.arange(size - 1, dtype=kl.dtype) / decay)
+    return (kl * weights).sum(-1).mean() / weights.sum()
 
 
 def rows_of(windows: np.ndarray) -> Callable[[np.random.Generator, int], np.ndarray]:
@@ -82,7 +88,7 @@ def rows_of(windows: np.ndarray) -> Callable[[np.random.Generator, int], np.ndar
 
 def distil(draft: DFlashDraft, target: nn.Module,
            draw: Callable[[np.random.Generator, int], np.ndarray], *, steps: int,
-           batch: int = 16, lr: float = 3e-4, seed: int = 0,
+           batch: int = 16, lr: float = 3e-4, seed: int = 0, decay: float | None = None,
            report: Callable[[int, float], None] | None = None) -> list[float]:
     """Adam on `block_loss` over batches `draw(rng, batch)` of (batch, S) token ids (a fresh
     draw per step: a fixed small set is learnt by heart), the learning rate warmed up over
@@ -104,7 +110,7 @@ def distil(draft: DFlashDraft, target: nn.Module,
         logits, states = features(draft, target, x)
         logits, states = mx.stop_gradient(logits), mx.stop_gradient(states)
         anchor = int(rng.integers(1, length - size + 1))
-        loss, grads = step(draft, logits, states, x, anchor)
+        loss, grads = step(draft, logits, states, x, anchor, decay)
         opt.update(draft, grads)
         mx.eval(draft.parameters(), opt.state, loss)
         losses.append(float(loss))

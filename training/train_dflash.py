@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--generated", type=int, default=256, help="own-text rows to generate")
     p.add_argument("--own-share", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decay", type=float, default=None,
+                   help="weight block position i by exp(-(i - 1) / DECAY) (default: alike)")
     p.add_argument("--resume", action="store_true")
     args = p.parse_args()
     started = time.time()
@@ -117,9 +119,11 @@ def main() -> None:
             rows += list(own[rng.integers(0, len(own), mine)])
         return np.stack(rows)
 
+    def progress(step: int, loss: float) -> None:
+        print(f"step {step}: loss {loss:.3f}", flush=True)
+
     losses = distil(draft, target, draw, steps=args.steps, batch=args.batch, lr=args.lr,
-                    seed=args.seed, report=lambda i, loss: print(f"step {i}: loss {loss:.3f}",
-                                                                 flush=True))
+                    seed=args.seed, decay=args.decay, report=progress)
     after = agreement(draft, target, held_windows, anchor)
     save_drafter(draft, config, OUT, mx.float16)  # as the demo target's weights are stored
     settings = dict(vars(args))
@@ -129,6 +133,14 @@ def main() -> None:
               "held_out": {"before": before, "after": after, "anchor": anchor},
               "loss_first_100": float(np.mean(losses[:100])),
               "loss_last_100": float(np.mean(losses[-100:]))}
+    earlier = ROOT / "results" / "train_dflash.json"
+    if args.resume and earlier.is_file():  # the passes before this one
+        old = json.loads(earlier.read_text())
+        report["passes"] = old.get("passes", [{k: old[k] for k in (
+            "command", "minutes", "held_out", "loss_first_100", "loss_last_100")}])
+    report.setdefault("passes", [])
+    report["passes"].append({k: report[k] for k in (
+        "command", "minutes", "held_out", "loss_first_100", "loss_last_100")})
     save(report, "train_dflash", plot)
     print(json.dumps(report["held_out"], indent=1))
 
