@@ -8,7 +8,8 @@ dependency of the package: its pins conflict with ours) when it is not importabl
 each in a process of its own, REPEATS rounds interleaved: "plain" (our plain decoding),
 "ours" (our generate, k = 15: the drafter's whole block) and "reference" (its stream_generate,
 block_size 16), greedy and T = 0.7 (no top-p / top-k: the reference's sampler and ours then
-warp alike), 3 held-out stdlib prompts (bench/demo_quality.py's) x 128 tokens, after a warm-up.
+warp alike), 3 held-out stdlib prompts (bench/demo_quality.py's) x 128 tokens, after a warm-up,
+every model in float32 (the checkpoints are float16, which this CPU runs without BLAS).
 Reported per contender: tokens/s over the decoding (prefill included, the same prompts for
 all), tau (tokens per target forward: generated / rounds; the reference's per yielded round),
 and for greedy whether our tokens equal the reference's (the same algorithm: they must).
@@ -60,6 +61,9 @@ def worker(contender: str, temperature: float) -> dict:
         model_mlx.snapshot_download = lambda path, **_: path  # a local directory
         ref_target, ref_tok = mlx_lm.load(str(TARGET))
         ref_draft = model_mlx.load_draft(str(DFLASH))
+        for model in (ref_target, ref_draft):  # float32 as ours (float16 has no BLAS here)
+            model.set_dtype(mx.float32)
+        mx.eval(ref_target.parameters(), ref_draft.parameters())
 
         def one(text: str, n: int) -> tuple[list[int], int]:
             tokens, rounds = [], 0

@@ -101,6 +101,19 @@ class BlockChain(HeadChain):
             if states is not None:
                 feed.states.append(states[b, : len(row.seq) - before])
 
+    def run(self, ordered: list[tuple[int, Any, int]]) -> tuple[mx.array, list]:
+        """As a chain's (`Chain.run`), but where every drafting row is greedy without
+        processors (and no selector walks the block) the whole block's argmax at once: no
+        per-position steps."""
+        rows = [r for _, r, _ in ordered]
+        ks = [k for _, _, k in ordered]
+        if self.model.selects or any(k and (not r.sampling.greedy or r.processors)
+                                     for r, k in zip(rows, ks)):
+            return super().run(ordered)
+        self._first(rows)
+        return mx.argmax(self._logits[:, : max(ks)], axis=-1).astype(mx.int32), \
+            [None] * len(rows)
+
     def _first(self, rows: list[Any]) -> mx.array:
         """One forward for every row: its unread states in, its block's proposals' logits out;
         the first position's returned, the rest kept for `_next`."""
