@@ -5,7 +5,9 @@
 Part 1, demo target (float32): plain decoding ("none"), the 0.9M draft model ("model"), prompt
 lookup ("lookup"), lookup + model ("hybrid"), the target's MTP layer ("mtp",
 demo/target/mtp.safetensors) and its EAGLE-3 head ("eagle3", demo/eagle3/), both trained by
-training/train_heads.py. For k = 1..4, T in {0, 0.7 (top-p 0.8, top-k 20)} and B in {1, 8}: tokens
+training/train_heads.py, and its DFlash block drafter ("dflash", demo/dflash/, trained by
+training/train_dflash.py; k = 1, 2, 3, 4, 7, 15: one draft forward of its 16-position block
+whatever k). For k = 1..4, T in {0, 0.7 (top-p 0.8, top-k 20)} and B in {1, 8}: tokens
 per second, acceptance per draft position and the mean accepted length per drafting round, on
 8 held-out stdlib prompts (bench/demo_quality.py's: B = 1 decodes the first 3 one at a time,
 B = 8 all 8 in one batch), 64 tokens each. One process per (drafter, T, B), every k in it after
@@ -28,13 +30,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = ("none", "model", "lookup", "hybrid", "mtp", "eagle3")
+CONTENDERS = ("none", "model", "lookup", "hybrid", "mtp", "eagle3", "dflash")
 KS = (1, 2, 3, 4)
+BLOCK_KS = (1, 2, 3, 4, 7, 15)  # a block drafter's k costs one draft forward whatever it is
 TEMPERATURES = (0.0, 0.7)
 BATCHES = (1, 8)
 MAX_TOKENS = 64
 REPEATS = 2
 EAGLE = ROOT / "tinydraft_mlx" / "demo" / "eagle3"
+DFLASH = ROOT / "tinydraft_mlx" / "demo" / "dflash"
+
+
+def ks_of(contender: str) -> tuple[int, ...]:
+    """The k each contender runs: without a draft k plays no part; a block drafter's reach
+    its block."""
+    return (1,) if contender == "none" else BLOCK_KS if contender == "dflash" else KS
 
 
 def _drafter(contender: str):
@@ -47,7 +57,8 @@ def _drafter(contender: str):
         target, model, tok = load_models()
         draft = Hybrid(model)
     else:
-        target, draft, tok = load_models(None, "mtp" if contender == "mtp" else str(EAGLE))
+        target, draft, tok = load_models(None, {"mtp": "mtp", "eagle3": str(EAGLE),
+                                                "dflash": str(DFLASH)}[contender])
     return target, draft, tok
 
 
@@ -61,7 +72,7 @@ def worker(contender: str, temperature: float, batch: int) -> dict:
     texts = held_out_prompts(8, seed=0)
     sampling = {} if temperature == 0 else {"temperature": temperature, "top_p": 0.8,
                                             "top_k": 20}
-    ks = (1,) if contender == "none" else KS  # without a draft, k plays no part
+    ks = ks_of(contender)
 
     def run(k: int, texts: list[str], n: int) -> dict:
         start = time.perf_counter()
@@ -89,6 +100,8 @@ def worker(contender: str, temperature: float, batch: int) -> dict:
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "per_position": [round(h / r, 3) if r else None for h, r in zip(hits, reached)],
                 "mean_accepted": round(statistics.mean(lengths), 3) if lengths else None,
+                # tau: tokens per target forward (a round is one verify), hardware-independent
+                "tau": round(tokens / max(1, sum(s.rounds for _, s in results)), 3),
                 "outputs": [o for o, _ in results]}
 
     chosen = texts[:3] if batch == 1 else texts
@@ -154,7 +167,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                                       for c in r["cells"])
             for contender in CONTENDERS:
                 rows = [r for r in same if r["contender"] == contender]
-                for i, k in enumerate((1,) if contender == "none" else KS):
+                for i, k in enumerate(ks_of(contender)):
                     cells = [r["cells"][i] for r in rows]
                     tps = statistics.median(c["tps"] for c in cells)
                     out.append({"contender": contender, "temperature": temperature,
@@ -162,7 +175,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                                 "vs_plain": round(tps / plain, 3),
                                 "acceptance": cells[-1]["acceptance"],
                                 "per_position": cells[-1]["per_position"],
-                                "mean_accepted": cells[-1]["mean_accepted"]})
+                                "mean_accepted": cells[-1]["mean_accepted"],
+                                "tau": cells[-1]["tau"]})
     return out
 
 
@@ -179,7 +193,7 @@ def plot(report: dict, path: Path) -> None:
             ax.plot([s["k"] for s in rows], [s["vs_plain"] for s in rows], marker="o",
                     label=contender)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(KS)
+        ax.set_xticks(BLOCK_KS)
         ax.set_xlabel("k")
         ax.set_title(f"{'greedy' if temperature == 0 else f'T = {temperature}'}, B = {batch}",
                      fontsize=10)
@@ -205,7 +219,8 @@ def main() -> None:
                 and p["temperature"] == 0 and p["batch"] == r["batch"])
     costs = in_fresh_process(__file__, "costs", 0, 0)
     report = {"machine": runs[0]["machine"], "settings": {
-        "contenders": CONTENDERS, "ks": KS, "temperatures": TEMPERATURES, "batches": BATCHES,
+        "contenders": CONTENDERS, "ks": KS, "block_ks": BLOCK_KS,
+        "temperatures": TEMPERATURES, "batches": BATCHES,
         "sampling": {"top_p": 0.8, "top_k": 20}, "max_tokens": MAX_TOKENS, "repeats": REPEATS,
         "prompts": "8 held-out stdlib prompts (bench/demo_quality.py, seed 0); B = 1: the "
                    "first 3", "dtype": runs[0]["dtype"], "seconds": round(time.time() - start)},

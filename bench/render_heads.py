@@ -57,7 +57,8 @@ def drafters(r: dict) -> list[str]:
         "greedy outputs equal plain decoding's: "
         f"{'yes' if r['greedy_outputs_equal_plain'] else 'NO'}; [json](results/drafters.json), "
         "[plot](results/drafters.png)): the best fixed k's tokens/s over plain decoding's, "
-        "with its acceptance and mean accepted length per drafting round",
+        "with its acceptance, mean accepted length per drafting round and tau (tokens per "
+        "target forward)",
         "",
         "| drafter | " + " | ".join(label(t, b) for t, b in cells) + " |",
         "| --- |" + " --- |" * len(cells),
@@ -71,8 +72,9 @@ def drafters(r: dict) -> list[str]:
             if contender == "none":
                 row.append(f"1.00x ({best['tps']:.0f} tok/s)")
             else:
+                tau = f", tau {best['tau']:.2f}" if best.get("tau") is not None else ""
                 row.append(f"{best['vs_plain']:.2f}x (k = {best['k']}, {best['acceptance']:.2f}, "
-                           f"{best['mean_accepted']:.2f})")
+                           f"{best['mean_accepted']:.2f}{tau})")
         lines.append(f"| {contender} | " + " | ".join(row) + " |")
     lines += ["", "Acceptance per draft position at k = 4, greedy (the same greedy text either "
               "way: B = 1 over the first 3 prompts, B = 8 over all 8):", "",

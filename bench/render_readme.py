@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from bench import render_auto, render_demo, render_heads, render_numerics
+from bench import render_auto, render_blocks, render_demo, render_heads, render_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -533,6 +533,9 @@ def main() -> None:
         ("hybrid_models", hybrid_models),
         ("train_heads", render_heads.train_heads),
         ("drafters", render_heads.drafters),
+        ("train_dflash", render_blocks.train_dflash),
+        ("dflash_reference", render_blocks.dflash_reference),
+        ("dflash_shapes", render_blocks.dflash_shapes),
     ]:
         data = _load(name)
         if data is not None:

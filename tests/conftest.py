@@ -194,3 +194,14 @@ def eagle(tmp_path_factory):
     oracle = Oracle(target_dir)
     refs = oracle.references(tok, HEAD_PROMPTS, 24, 1e-3, "eagle")
     return target_dir, eagle_dir, (target, head, tok), draft, refs, oracle
+
+
+@pytest.fixture(scope="session")
+def dflash(eagle, tmp_path_factory):
+    """A DFlash block drafter (block 16, one layer, trained a little: tests/fixtures.py's
+    `write_dflash`) over the `eagle` fixture's target."""
+    from tests.fixtures import write_dflash
+    from tinydraft_mlx.engine.drafters.dflash import load_dflash
+
+    target_dir, target = eagle[0], eagle[2][0]
+    return load_dflash(target, write_dflash(target_dir, tmp_path_factory.mktemp("dflash")))

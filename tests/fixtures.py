@@ -550,3 +550,31 @@ def write_eagle3(target_dir: Path, out: Path, kept: int = 256, steps: int = 150,
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(head.tensors(), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+# DFlash block drafters (tests/test_dflash.py, tests/test_drafters.py): a reference-layout
+# directory for a target, trained a little here (training/dflash.py) on the target's own
+# distributions so that it agrees with it on some positions
+DFLASH_LAYERS = [0, 2]  # the target layers whose output it reads (4-layer targets)
+
+
+def write_dflash(target_dir: Path, out: Path, version: int = 1, block_size: int = 16,
+                 steps: int = 150, seed: int = 0) -> Path:
+    """Write a DFlash (version 1) or DFlash2 drafter of one layer for the target in
+    `target_dir` to `out`: mask token the target's last (padding) id, `steps` Adam steps of
+    training/dflash.py's distillation on 40-token windows of the corpus."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from tinydraft_mlx import load_models
+    from training.dflash import distil, drafter_config, new_drafter, rows_of, save
+
+    target, _, _ = load_models(str(target_dir), "none", dtype="float32")
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    config = drafter_config(target, block_size=block_size, mask_token_id=TARGET_WIDTH - 1,
+                            layers=1, target_layer_ids=DFLASH_LAYERS, version=version)
+    draft = new_drafter(target, config, seed)
+    stream = np.array([i for line in _corpus() if line.strip() for i in tok.encode(line)])
+    windows = np.stack([stream[s : s + 40] for s in range(0, len(stream) - 41, 10)])
+    distil(draft, target, rows_of(windows), steps=steps, seed=seed)
+    return save(draft, config, out)

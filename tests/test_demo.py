@@ -169,18 +169,24 @@ def test_chat_template_argument_and_flag(pair, checkpoints, capsys, tmp_path):
     assert outs[0] == outs[1] == outs[2] and outs[0].strip()
 
 
+# the share of drafted tokens accepted, over k in {1, 3, 6, auto}; the demo's DFlash drafter is
+# weaker than its heads (0.27 here; an untrained one of its shape 0.00)
+FLOOR = {"mtp": 0.4, "eagle3": 0.4, "dflash": 0.15}
+
+
 @pytest.mark.usefixtures("cpu_fp32")
-@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "dflash"])
 def test_the_demo_targets_heads_are_lossless_and_accepted(demo, demo_oracle, kind):
-    """The heads shipped with the demo target (its MTP layer, its EAGLE-3 head; trained by
-    training/train_heads.py): greedy output == the oracle's, k in {1, 3, 6, auto}, one sequence and
-    a batch of 3; trained, so accepted often (an untrained head of the same shape: < 0.05)."""
+    """The drafters shipped with the demo target that read its states (its MTP layer, its
+    EAGLE-3 head: training/train_heads.py; its DFlash drafter: training/train_dflash.py): greedy
+    output == the oracle's, k in {1, 3, 6, auto}, one sequence and a batch of 3; trained, so
+    accepted often (an untrained one of the same shape: < 0.05)."""
     from tinydraft_mlx import batch_generate, load_head
     from tinydraft_mlx.generation.loading import DEMO_DIR, load_eagle
 
     target, _, tok = demo
     head = (load_head(target, DEMO_DIR / "target") if kind == "mtp"
-            else load_eagle(target, DEMO_DIR / "eagle3"))
+            else load_eagle(target, DEMO_DIR / kind))
     refs = [(tok.encode(t), demo_oracle.greedy(tok.encode(t), 32, eos=tok.eos_token_id)[0])
             for t in PROMPTS[:3]]
     accepted = drafted = 0
@@ -191,4 +197,4 @@ def test_the_demo_targets_heads_are_lossless_and_accepted(demo, demo_oracle, kin
             accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
     outs = batch_generate(target, head, tok, [ids for ids, _ in refs], k=3, max_tokens=32)
     assert [o for o, _ in outs] == [ref for _, ref in refs]
-    assert accepted / drafted > 0.4, accepted / drafted
+    assert accepted / drafted > FLOOR[kind], accepted / drafted

@@ -18,7 +18,8 @@ drafter and this one), so a drafter is tested by being registered:
   wrong distribution apart);
 - a seed fixes the text: seeded speculative == seeded plain decoding, with every drafter (so
   seeded drafting is exact wherever seeded plain decoding is).
-The models are the tiny Qwen3 target with every kind of drafter (conftest.py's `eagle`).
+The models are the tiny Qwen3 target with every kind of drafter (conftest.py's `eagle` and
+`dflash`).
 """
 
 from __future__ import annotations
@@ -97,45 +98,45 @@ def last_tokens():
     unregister_drafter(LastTokens.name)
 
 
-def _model_for(name: str, eagle) -> object:
+def _model_for(name: str, eagle, dflash) -> object:
     """The batch's draft model with which `name` is available (the draft model, else the
-    EAGLE-3 head, else none)."""
+    EAGLE-3 head, else the DFlash drafter, else none)."""
     _, _, (target, head, _), draft, _, _ = eagle
-    for model in (draft, head, None):
+    for model in (draft, head, dflash, None):
         if name in drafter_names(model, target):
             return model
     raise AssertionError(f"{name} is available with none of the fixture's models")
 
 
-def _source(name: str, eagle):
+def _source(name: str, eagle, dflash):
     target = eagle[2][0]
-    return resolve_drafter(name, _model_for(name, eagle), target)
+    return resolve_drafter(name, _model_for(name, eagle, dflash), target)
 
 
 def test_the_registry_holds_every_drafter():
-    assert {"none", "prompt-lookup", "model", "hybrid", "mtp", "eagle3",
+    assert {"none", "prompt-lookup", "model", "hybrid", "mtp", "eagle3", "dflash",
             LastTokens.name} <= set(NAMES)
 
 
 # -- greedy ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
-def test_greedy_equals_the_oracle(eagle, name):
+def test_greedy_equals_the_oracle(eagle, dflash, name):
     _, _, (target, _, tok), _, refs, _ = eagle
     drafted = 0
     for ids, ref in refs:
-        out, stats = generate(target, _source(name, eagle), tok, ids, k=3, max_tokens=NEW)
+        out, stats = generate(target, _source(name, eagle, dflash), tok, ids, k=3, max_tokens=NEW)
         assert out == ref, name
         drafted += stats.drafted
     assert drafted > 0 or name == "none"
 
 
-def test_every_drafter_in_one_greedy_batch_equals_the_oracle(eagle):
+def test_every_drafter_in_one_greedy_batch_equals_the_oracle(eagle, dflash):
     _, _, (target, _, tok), draft, refs, _ = eagle
     decoder = BatchDecoder(target, draft)
     want = {}
     for name in NAMES:
         for ids, ref in refs:
-            uid = decoder.insert(ids, draft=_source(name, eagle), k=3, max_tokens=NEW)
+            uid = decoder.insert(ids, draft=_source(name, eagle, dflash), k=3, max_tokens=NEW)
             want[uid] = (name, ref)
     out = drain(decoder)
     for uid, (name, ref) in want.items():
@@ -166,10 +167,10 @@ CASES = [(name, False) for name in NAMES] + [("none", True)]  # seeded: plain de
 
 @pytest.mark.parametrize("name,seeded", CASES,
                          ids=[f"{n}-{'seeded' if s else 'unseeded'}" for n, s in CASES])
-def test_sampled_first_two_tokens_follow_the_oracle(eagle, copying, name, seeded):
+def test_sampled_first_two_tokens_follow_the_oracle(eagle, dflash, copying, name, seeded):
     target = eagle[2][0]
     prompt, exact, wrong = copying
-    model = _model_for(name, eagle)
+    model = _model_for(name, eagle, dflash)
     check_first_two_tokens(
         lambda: BatchDecoder(target, model), prompt, name, ROWS * BATCHES, exact, wrong,
         rows=ROWS, both_paths=name != "none",  # accepted and resampled both, where it drafts
@@ -177,12 +178,12 @@ def test_sampled_first_two_tokens_follow_the_oracle(eagle, copying, name, seeded
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_seed_fixes_the_text(eagle, name):
+def test_a_seed_fixes_the_text(eagle, dflash, name):
     _, _, (target, _, tok), _, refs, _ = eagle
     kw = dict(max_tokens=NEW, temperature=0.8, top_p=0.95, seed=7)
     for ids, _ in refs:
         plain, _ = generate(target, None, tok, ids, **kw)
-        assert generate(target, _source(name, eagle), tok, ids, k=3, **kw)[0] == plain, name
+        assert generate(target, _source(name, eagle, dflash), tok, ids, k=3, **kw)[0] == plain, name
 
 
 # -- the plug-in everywhere a drafter goes --------------------------------------------------------

@@ -121,6 +121,7 @@ def test_the_server_drafts_hybrid_by_default_with_a_draft_model():
 @pytest.mark.parametrize("argv, draft", [
     ([], "hybrid"), (["--no-hybrid"], "model"), (["--draft", "mtp"], "mtp"),
     (["--draft", "tinydraft_mlx/demo/eagle3"], "eagle3"), (["--mtp", "--no-hybrid"], "model"),
+    (["--draft", "tinydraft_mlx/demo/dflash"], "dflash"),
     (["--draft", "prompt-lookup"], "prompt-lookup"), (["--draft", "none"], "none")])
 def test_the_servers_default_drafter_serves_requests_that_name_none(argv, draft):
     """Whatever kind the server's drafter is (a draft model, the target's MTP layer, an EAGLE-3

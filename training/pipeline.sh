@@ -2,7 +2,7 @@
 # The demo pair and its heads, as shipped in tinydraft_mlx/demo/: every command in the order it
 # ran, as results/demo_training.json, demo_retrain.json, demo_derepeat.json and
 # train_heads.json record them (each writes its weights into tinydraft_mlx/demo/). Run from the
-# repository root with the bench extra installed (pip install -e ".[bench]"); ~3 hours on 2 cores.
+# repository root with the bench extra installed (pip install -e ".[bench]"); ~4 hours on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,3 +24,7 @@ python -m training.train_heads --steps 3000 --batch 16 --seq 128 --lr 0.002 --ge
 python -m training.train_heads --steps 1000 --batch 16 --seq 128 --lr 0.002 --generated 0 --head eagle3
 python -m training.train_heads --steps 1500 --batch 16 --seq 128 --lr 0.002 --generated 1024 --prompt-len 128 --seed 0 --head eagle3 --resume
 python -m training.train_heads --steps 1500 --batch 16 --seq 128 --lr 0.002 --generated 2048 --own-share 0.75 --prompt-len 128 --seed 1 --head eagle3 --resume
+
+# 5. train the DFlash block drafter on the target's states and its own text
+python -m training.train_dflash --steps 3000 --batch 16 --seq 96 --lr 0.0003 --layers 2 --block-size 16 --generated 256 --own-share 0.5 --seed 0
+python -m training.train_dflash --steps 2000 --batch 16 --seq 96 --lr 0.0005 --layers 2 --block-size 16 --generated 256 --own-share 0.5 --seed 0 --decay 3.0 --resume

@@ -241,11 +241,16 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any], *, reserve: in
             **inputs: Any) -> Any:
     """`model(tokens, cache=cache)`, (1, L) ids -> (1, L, V) logits, lazily; compiled where it
     applies (see the module docstring), else the eager forward. The cache advances by L either
-    way. `inputs`: more keyword inputs of the model (a head's states: hidden.StateHead).
+    way. `inputs`: more keyword inputs of the model (a head's states: hidden.StateHead). A
+    forward of more than COMPILED_POSITIONS tokens runs eagerly, as `forward_batch`'s: the
+    compiled step attends over its whole buffer (a k = 15 verify of the demo pair: eager 108
+    tok/s, compiled 97), unless `reserve` fixes the buffer (bitwise.py).
     `reserve`: the compiled step's buffer holds at least this many positions (a buffer fixed
     for a whole generation: bitwise.py)."""
     state = _compiled(model) if enabled() else None
-    if state is None or not cache or cache[0].keys is None or set(inputs) != set(state.inputs):
+    long = tokens.shape[1] > COMPILED_POSITIONS and not reserve  # eager wins (forward_batch)
+    if state is None or not cache or cache[0].keys is None or set(inputs) != set(state.inputs) \
+            or long:
         return model(tokens, cache=cache, **inputs)
     offset, n = cache[0].offset, tokens.shape[1]
     if all(type(layer) is KVCache for layer in cache):

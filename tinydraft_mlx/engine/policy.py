@@ -40,7 +40,8 @@ from . import policy_store
 
 AUTO = "auto"
 DEFAULT_K = AUTO
-AUTO_MAX_K = 8
+AUTO_MAX_K = 8  # the most k="auto" drafts, unless the drafter proposes more in one forward
+MAX_LEARNED_K = 63  # the largest k a policy file may hold costs for (a block drafter's block)
 DECAY = 0.97  # per observation of a position: about the last 30 rounds count
 RECENT = 15  # timed rounds of a k whose median is its cost
 SLOPE = 0.5  # R(k) / R(0) - 1 per draft token, assumed until a drafting k is timed
@@ -132,15 +133,16 @@ class RoundCosts:
         """Fill in the ks this process has not timed from a saved entry."""
         for k, values in data.items():
             seconds = [float(x) for x in values][-RECENT:]
-            if not all(0 < x < math.inf for x in seconds) or not 0 <= int(k) <= AUTO_MAX_K:
+            if not all(0 < x < math.inf for x in seconds) or not 0 <= int(k) <= MAX_LEARNED_K:
                 raise ValueError(f"round costs must be positive seconds (k={k}: {values})")
             if int(k) not in self.timings:
                 self.timings[int(k)] = deque(seconds, maxlen=RECENT)
 
 
 def choose(costs: RoundCosts, rows: list[Acceptance], limit: int) -> int:
-    """One k for a batch's k="auto" rows (each row's acceptance), at most `limit`."""
-    limit = max(0, min(limit, AUTO_MAX_K))
+    """One k for a batch's k="auto" rows (each row's acceptance), at most `limit` and the
+    positions their acceptance covers (the pair's k_max)."""
+    limit = max(0, min(limit, min((len(r.accepted) for r in rows), default=0)))
     if limit == 0 or not rows:
         return 0
     if costs.timed(0) < 2:
@@ -177,10 +179,11 @@ def batch_bucket(rows: int) -> int:
 
 class DraftLengthPolicy:
     """What one (target, draft) pair has learned in this process: acceptance per sampling
-    regime, costs per batch size bucket; `store_key` names its policy file entry (None: not
-    persisted)."""
+    regime (of positions 1..k_max), costs per batch size bucket; `store_key` names its policy
+    file entry (None: not persisted)."""
 
-    def __init__(self, store_key: str | None = None) -> None:
+    def __init__(self, store_key: str | None = None, k_max: int = AUTO_MAX_K) -> None:
+        self.k_max = k_max
         self.regimes: dict[str, Acceptance] = {}
         self.costs: dict[int, RoundCosts] = {}
         self.store_key = store_key
@@ -190,7 +193,7 @@ class DraftLengthPolicy:
 
     def acceptance(self, regime: Hashable) -> Acceptance:
         key = _regime_key(regime)
-        held = self.regimes.pop(key, None) or Acceptance()
+        held = self.regimes.pop(key, None) or Acceptance(self.k_max)
         self.regimes[key] = held  # most recently used last
         while len(self.regimes) > MAX_REGIMES:
             self.regimes.pop(next(iter(self.regimes)))
@@ -233,9 +236,9 @@ class DraftLengthPolicy:
             self.costs = {}
             return
         for key, (accepted, reached) in regimes.items():
-            if len(accepted) == AUTO_MAX_K == len(reached):
+            if len(accepted) == self.k_max == len(reached):
                 scale = min(1.0, LOADED_WEIGHT / max(reached[0], 1e-9))
-                held = Acceptance()
+                held = Acceptance(self.k_max)
                 held.accepted = [x * scale for x in accepted]
                 held.reached = [x * scale for x in reached]
                 self.regimes[key] = held
@@ -244,11 +247,12 @@ class DraftLengthPolicy:
 _PAIRS: dict[tuple[int, object], tuple[weakref.ref, DraftLengthPolicy]] = {}
 
 
-def shared_policy(target: object, draft: object) -> DraftLengthPolicy:
+def shared_policy(target: object, draft: object, k_max: int = AUTO_MAX_K) -> DraftLengthPolicy:
     """The policy of a (target, draft) pair, kept while the target exists: later generations
     (and batches) start from what earlier ones measured. `draft` is the draft model object, or
-    a string naming a model-free drafter and its settings. A pair new to the process starts from
-    its policy file entry."""
+    a string naming a model-free drafter and its settings; `k_max`: the most it may choose (set
+    when the pair is first seen: AUTO_MAX_K, or a block drafter's block_size - 1). A pair new
+    to the process starts from its policy file entry."""
     for key in [k for k, (ref, _) in _PAIRS.items() if ref() is None]:
         del _PAIRS[key]
     key = (id(target), draft if isinstance(draft, str) else id(draft))
@@ -256,7 +260,7 @@ def shared_policy(target: object, draft: object) -> DraftLengthPolicy:
     if held is None or held[0]() is not target:
         store = None if policy_store.policy_path() is None else policy_store.pair_key(target,
                                                                                      draft)
-        held = _PAIRS[key] = (weakref.ref(target), DraftLengthPolicy(store))
+        held = _PAIRS[key] = (weakref.ref(target), DraftLengthPolicy(store, k_max))
     return held[1]
 
 
@@ -278,10 +282,10 @@ def record_rounds(target: object, draft: object, regime: Hashable,
     costs = policy.round_costs(1)
     for k, (seconds, timed) in rounds.items():
         for _ in range(min(timed, RECENT)):
-            if seconds > 0 and 0 <= k <= AUTO_MAX_K:
+            if seconds > 0 and 0 <= k <= policy.k_max:
                 costs.update(k, seconds)
     held = policy.acceptance(regime)
-    for i in range(min(AUTO_MAX_K, len(accepted), len(reached))):
+    for i in range(min(policy.k_max, len(accepted), len(reached))):
         held.accepted[i] += accepted[i]
         held.reached[i] += reached[i]
     policy.save(force=True)

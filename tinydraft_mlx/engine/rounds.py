@@ -139,8 +139,20 @@ def _progress(progress: Progress, total: int) -> Callable[[int], None]:
 
 
 def max_draft_length(source: Source, k: int | str) -> int:
-    """The most tokens a round may draft: 0 without drafting, AUTO_MAX_K for k="auto", else k."""
-    return 0 if not source.drafts else AUTO_MAX_K if k == AUTO else k
+    """The most tokens a round may draft: 0 without drafting; for k="auto" AUTO_MAX_K, or a
+    block drafter's whole block (`block` - 1: its k costs one draft forward whatever it is), at
+    most what the drafter can propose (`max_k`); else k. ParameterError for a k beyond `max_k`."""
+    if not source.drafts:
+        return 0
+    top = getattr(source, "max_k", None)  # a plug-in written before `max_k` has none
+    if k == AUTO:
+        if getattr(source, "block", None):
+            return top
+        return AUTO_MAX_K if top is None else min(AUTO_MAX_K, top)
+    if top is not None and k > top:
+        raise ParameterError("k", f"at most {top} with the {source.name} drafter (the most it "
+                             "proposes in a round)", k)
+    return k
 
 
 def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
@@ -252,7 +264,10 @@ class BatchDecoder:
             raise ParameterError("draft", "the batch's draft model, a head of its target, "
                                  "prompt lookup or None", type(source.model).__name__)
         self.drafting.add(source, self.target)  # a head's chain when its first row comes
-        k_cap = max_draft_length(source, k)
+        k_cap = reach = max_draft_length(source, k)
+        if k == AUTO:  # a block drafter's reach, within what these rows can roll back
+            k_cap = min(k_cap, self.max_k if self.limited else k_cap,
+                        BITWISE_MAX_K if self.bitwise else k_cap)
         if self.bitwise and k_cap > BITWISE_MAX_K:
             raise ParameterError("k", f"an integer in [1, {BITWISE_MAX_K}] or \"auto\" with "
                                  "bitwise", k)
@@ -274,7 +289,7 @@ class BatchDecoder:
                    max_tokens, list(logits_processors), stats, logprobs, keep_caches,
                    target_cache=target_cache, draft_cache=draft_cache)
         if k == AUTO and source.drafts:
-            pair = shared_policy(self.target, source.policy_key)
+            pair = shared_policy(self.target, source.policy_key, max(AUTO_MAX_K, reach))
             row.acceptance = pair.acceptance(sampling_regime(sampling))
             stats.policy = pair
         self.pending.append(row)

@@ -21,10 +21,10 @@ from ..engine import skinny
 from ..engine.backend import resolve_dtype, warn_if_slow_blas
 from ..engine.cache import make_cache
 from ..engine.distributed import join
+from ..engine.drafters.dflash import is_dflash, load_dflash
 from ..engine.drafters.eagle import is_eagle3, load_eagle3
 from ..engine.drafters.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from ..engine.drafters.mtp import MTP, MtpError, MtpHead, load_mtp
-from ..engine.hidden import StateHead
 from ..engine.pruning import prune_draft
 from ..engine.sampling import ParameterError
 
@@ -284,7 +284,9 @@ def load_models(
     target: hub id or local directory; None loads the bundled demo target.
     draft: hub id or local directory; None picks `default_draft(target)`; "none" loads no draft;
     "prompt-lookup" returns a `PromptLookup` drafter (no model); a speculators EAGLE-3 directory
-    (config "speculators_model_type": "eagle3") returns an `Eagle3Head` over the target; "mtp"
+    (config "speculators_model_type": "eagle3") returns an `Eagle3Head` over the target, a DFlash
+    directory (config "architectures" ["DFlashDraftModel"] or ["DFlash2DraftModel"]) a
+    `DFlashDraft` block drafter over it; "mtp"
     returns the target's own
     MTP layer (an `MtpHead`, from the `mtp.*` tensors of its checkpoint, which mlx-community
     conversions strip: use the original checkpoint), after which draft="mtp" also names it
@@ -329,8 +331,8 @@ def load_models(
         head = load_eagle(target_model, draft)
         if head is not None:
             if draft_vocab is not None:
-                raise ParameterError("draft_vocab", "used with a draft model (an EAGLE-3 head "
-                                     "has its own vocabulary)", str(draft))
+                raise ParameterError("draft_vocab", "used with a draft model (not a drafter "
+                                     "that reads the target)", str(draft))
             return target_model, head, tokenizer
     draft_model = load_draft(draft, tokenizer, dtype=dtype)
     if draft_vocab is not None:
@@ -349,9 +351,10 @@ def load_head(target: nn.Module, path: str | Path) -> MtpHead:
         raise ModelLoadError(str(err)) from None
 
 
-def load_eagle(target: nn.Module, path: str | Path) -> StateHead | None:
-    """The EAGLE-3 head (speculators format) at `path` (a hub id or a directory) for a target
-    already loaded, None where `path` is not one. ModelLoadError where it does not fit."""
+def load_eagle(target: nn.Module, path: str | Path) -> nn.Module | None:
+    """The drafter that reads the target's states at `path` (a hub id or a directory) for a
+    target already loaded: an EAGLE-3 head (speculators format) or a DFlash / DFlash2 block
+    drafter; None where `path` is neither. ModelLoadError where it does not fit."""
     local = Path(path).expanduser()
     if not local.is_dir():
         if not _looks_like_hub_id(str(path)):
@@ -360,10 +363,11 @@ def load_eagle(target: nn.Module, path: str | Path) -> StateHead | None:
             local = resolve_model_path(path)
         except ModelLoadError:
             return None  # load_draft says why in its own words
-    if not is_eagle3(local):
+    loader = load_eagle3 if is_eagle3(local) else load_dflash if is_dflash(local) else None
+    if loader is None:
         return None
     try:
-        return load_eagle3(target, local)
+        return loader(target, local)
     except MtpError as err:
         raise ModelLoadError(str(err)) from None
 

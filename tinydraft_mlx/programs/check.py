@@ -280,6 +280,8 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
     greedy = greedy_runs(target, draft, tok, prompts, refs, args.ks, args.max_tokens, tolerance)
     failures = [d for d in greedy["divergences"] if not d["near_tie"]]
     c = {**measured, "t_d": draft_ms(draft, prompts[0], args.repeats, target)}
+    block = resolve_drafter(draft, target=target).block  # one draft forward a round
+    steps = {k: 1 if block else k for k in args.ks}
     pooled = [greedy["per_k"][k]["per_position"][0] for k in args.ks
               if greedy["per_k"][k]["per_position"][0] is not None]
     alpha = statistics.mean(pooled) if pooled else 0.0
@@ -287,12 +289,12 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
     overhead = {}
     for k in args.ks:  # measured round time beyond k draft steps + one verify
         round_ms = greedy["per_k"][k]["round_ms"]
-        model_ms = k * c["t_d"] + c["t_v"][k + 1]
+        model_ms = steps[k] * c["t_d"] + c["t_v"][k + 1]
         overhead[k] = max(0.0, round_ms - model_ms) / round_ms if round_ms else 0.0
     c["host_overhead_per_round"] = overhead
     c["rising"] = rising(c["t_v"])
-    predicted = {k: leviathan(alpha, k, c["t_d"], c["t_1"], c["t_v"][k + 1]) if c["rising"]
-                 else None for k in args.ks}
+    predicted = {k: leviathan(alpha, k, c["t_d"], c["t_1"], c["t_v"][k + 1], steps[k])
+                 if c["rising"] else None for k in args.ks}
     return {
         "draft": name,
         # the baseline: its "speedups" are plain vs plain (noise)

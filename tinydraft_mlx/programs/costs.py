@@ -16,10 +16,13 @@ from ..engine.drafters import resolve_drafter
 from ..engine.forward import forward, prefill
 
 
-def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float) -> float:
-    """Predicted speedup: E(k) t_1 / (k t_d + t_v(k+1)), E(k) = (1 - alpha^(k+1)) / (1 - alpha)."""
+def leviathan(alpha: float, k: int, t_d: float, t_1: float, t_v: float,
+              steps: int | None = None) -> float:
+    """Predicted speedup: E(k) t_1 / (s t_d + t_v(k+1)), E(k) = (1 - alpha^(k+1)) / (1 - alpha),
+    s the draft forwards of a round (`steps`: k for a chain, the default; 1 for a block
+    drafter)."""
     expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected * t_1 / (k * t_d + t_v)
+    return expected * t_1 / ((k if steps is None else steps) * t_d + t_v)
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -55,8 +58,9 @@ def target_costs(target, ids: list[int], k_max: int, repeats: int) -> dict[str, 
 
 
 def draft_ms(draft, ids: list[int], repeats: int, target: Any = None) -> float:
-    """t_d: one draft step in ms (0 for prompt lookup and plain decoding)."""
+    """t_d: one draft forward in ms (a step; a block drafter's whole block; 0 for prompt lookup
+    and plain decoding)."""
     drafter = resolve_drafter(draft, target=target)
     if drafter.model is None:
         return 0.0
-    return forward_ms(drafter.model, ids, 1, repeats, drafter=drafter)
+    return forward_ms(drafter.model, ids, drafter.block or 1, repeats, drafter=drafter)

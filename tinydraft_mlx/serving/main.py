@@ -167,6 +167,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         load_head(target, args.target or DEMO_DIR / "target")
     drafter = resolve_drafter(draft, target=target)
     model, default_draft = drafter.model, drafter.name  # a head is the server's draft too
+    if isinstance(args.k, int) and drafter.max_k is not None and args.k > drafter.max_k:
+        raise ParameterError("--num-draft-tokens", f"at most {drafter.max_k} with the "
+                             f"{drafter.name} drafter", args.k)
+    drafter.row_cache(None, args.max_kv_size, 1)  # a drafter that refuses bounded caches says so
     if drafter.name == MODEL and args.hybrid:
         default_draft = HYBRID  # measured with bench/hybrid.py (results/README.md)
     max_batch = args.max_batch

@@ -277,7 +277,10 @@ class _Feed:
 
 
 class HeadChain(Chain):
-    """A state-reading head's chain (see the module docstring); `feeds`: each row's `_Feed`."""
+    """A state-reading head's chain (see the module docstring); `feeds`: each row's `_Feed`;
+    `cache_type`: the one-sequence cache a row that keeps its caches leaves."""
+
+    cache_type = HeadCache
 
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         super().__init__(model, caches, chunk, width)
@@ -325,8 +328,8 @@ class HeadChain(Chain):
 
     def leave(self, rows: list[Any]) -> dict[int, Cache]:
         """Rows out; a row that keeps its caches (`keep_caches`) leaves its head's cache with
-        what it has not read (`HeadCache`), cut to the sequence's last but one token (what the
-        target keeps); none where the head read past it (a stop string's cut)."""
+        what it has not read (`cache_type`), fitted to the sequence's last but one token (what
+        the target keeps); none where that cannot be done."""
         index = {uid: j for j, uid in enumerate(self.uids)}
         members = [r for r in rows if r.uid in index]
         out: dict[int, Cache] = {}
@@ -335,7 +338,7 @@ class HeadChain(Chain):
             if not r.keep_caches or feed.skip is None:
                 continue
             cache = self.caches.extract(index[r.uid])
-            head = cache if isinstance(cache, HeadCache) else HeadCache(cache)
+            head = cache if isinstance(cache, self.cache_type) else self.cache_type(cache)
             head.skip, head.states = feed.skip, list(feed.states)
             if head.keep_prefix(len(r.seq) - 1):
                 out[r.uid] = head

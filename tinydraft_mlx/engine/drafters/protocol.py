@@ -33,7 +33,10 @@ class Source(Protocol):
     caches, batches, the server and the check tool ask of it (they never test its type).
 
     - `name`: how stats, metrics and the server name it; `drafts`: False for plain decoding;
-      `policy_key`: what k="auto" keeps its learning under.
+      `policy_key`: what k="auto" keeps its learning under; `max_k`: the most tokens it can
+      propose in one round (None: no limit of its own; a block drafter's block_size - 1);
+      `block`: the positions of the one draft forward that proposes a whole round (a block
+      drafter's block_size), None where each proposed token costs a draft step.
     - Proposing: `begin(seq)` once the row joins (seq grows in place); each round
       `host_proposal(k)`: ids proposed on the host (or a `HostProposal` with its q), or None
       where its model's batched chain drafts the row; `settle(keep)` ends the round (the first
@@ -51,6 +54,8 @@ class Source(Protocol):
 
     name: str
     drafts: bool
+    max_k: int | None
+    block: int | None
     model: nn.Module | None
     policy_key: object
     reads_target: bool
@@ -78,7 +83,7 @@ class HostDrafter:
     """What a drafter without a model answers (a base for host-only drafters: prompt lookup,
     plain decoding, and plug-ins that propose on the host): no chain, no cache."""
 
-    name, drafts, model, policy_key = "host", True, None, None
+    name, drafts, model, policy_key, max_k, block = "host", True, None, None, None, None
     reads_target, cache_in_file = False, True
 
     def begin(self, seq: list[int]) -> None:

@@ -3,8 +3,9 @@ a registered name, a model or a head, a `PromptLookup`, a `Hybrid`, a plug-in, o
 
 Built-in names: "none", "prompt-lookup", "model" (the batch's or server's draft model), "hybrid"
 (it with prompt lookup), "mtp" (the MTP layer attached to the target), "eagle3" (an EAGLE-3 head
-given as the draft). A plug-in registers its own (`register_drafter`); the server offers every
-name its models can draft with, and the exactness tests run over every registered name.
+given as the draft), "dflash" (a DFlash / DFlash2 block drafter given as the draft). A plug-in
+registers its own (`register_drafter`); the server offers every name its models can draft with,
+and the exactness tests run over every registered name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import mlx.nn as nn
 
 from ..hidden import StateHead
 from ..sampling import ParameterError
+from .dflash import DFLASH
 from .eagle import EAGLE3
 from .lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from .mtp import MTP, head_of
@@ -73,6 +75,8 @@ register_drafter(HYBRID, lambda model, target: None if model is None and head_of
 register_drafter(MTP, lambda model, target: _head(head_of(target)))
 register_drafter(EAGLE3, lambda model, target: _head(model) if getattr(model, "kind", None)
                  == EAGLE3 else None)
+register_drafter(DFLASH, lambda model, target: model.source() if getattr(model, "kind", None)
+                 == DFLASH else None)
 
 
 def resolve_drafter(draft: object, model: nn.Module | None = None,
@@ -117,7 +121,7 @@ def draft_model(draft: object, target: nn.Module | None = None) -> nn.Module | N
     """The draft model behind a `draft` argument whose cache a caller may keep: None for prompt
     lookup, plain decoding and a head of the target (its cache goes with the target states it
     has not read: chains.HeadCache)."""
-    if isinstance(draft, str) and draft.lower() in (MTP, EAGLE3):
+    if isinstance(draft, str) and draft.lower() in (MTP, EAGLE3, DFLASH):
         return None
     source = resolve_drafter(draft, target=target)
     return None if source.reads_target else source.model

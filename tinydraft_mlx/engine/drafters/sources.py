@@ -35,6 +35,7 @@ class ModelDraft:
     """A draft model: the batch's chain of draft steps drafts this row every round."""
 
     name, drafts, reads_target, cache_in_file = MODEL, True, False, True
+    max_k = block = None
 
     def __init__(self, model: nn.Module) -> None:
         self.model = self.policy_key = model
@@ -185,6 +186,7 @@ class HybridDraft:
         self.drafter = model_source(hybrid.model)  # a draft model's or a head's
         self.reads_target = self.drafter.reads_target
         self.cache_in_file = self.drafter.cache_in_file
+        self.max_k, self.block = self.drafter.max_k, self.drafter.block
         self.lookup = LookupDraft(hybrid.lookup)
         # a string (as a model-free drafter's), stable across processes for the policy file
         self.policy_key = f"{HYBRID}:{fingerprint(hybrid.model)}:{hybrid.lookup!r}"
@@ -244,9 +246,12 @@ class HybridDraft:
         return self.drafter.prime(cache, ids)
 
 
-def model_source(model: Any) -> ModelDraft | None:
-    """A drafting model's source: a head's where it is one (it reads the target), else a draft
-    model's; None for None."""
+def model_source(model: Any) -> Any:
+    """A drafting model's source: its own where it makes one (`model.source()`: a block
+    drafter's), a head's where it is one (it reads the target), else a draft model's; None for
+    None."""
     if model is None:
         return None
+    if callable(getattr(model, "source", None)):
+        return model.source()
     return HeadDraft(model) if isinstance(model, StateHead) else ModelDraft(model)

@@ -1,0 +1,80 @@
+"""results/README.md's sections for block drafters: the demo target's DFlash drafter
+(results/train_dflash.json), ours against the reference's MLX path (dflash_reference.json), and
+what a block costs on 4B shapes (dflash_shapes.json). Called by render_readme.py."""
+
+from __future__ import annotations
+
+
+def train_dflash(r: dict) -> list[str]:
+    s = r["settings"]
+    passes = r.get("passes") or [r]
+    first = passes[0]["held_out"]
+    width = len(first["after"]["agreement"])
+    lines = [
+        f"**The demo target's DFlash drafter** (`python -m training.train_dflash`, "
+        f"{len(passes)} pass(es), {sum(p['minutes'] for p in passes):.0f} min; {s['layers']} "
+        f"layers reading target layers {r['layers_read']}, block {s['block_size']}; the "
+        "commands in training/pipeline.sh; [json](results/train_dflash.json), "
+        "[plot](results/train_dflash.png)): top-1 agreement with the target per block position, "
+        f"teacher-forced on 256 held-out stdlib windows (anchor at {first['anchor']}), and the "
+        "KL from the target in nats",
+        "",
+        "| drafter | KL | " + " | ".join(str(i + 1) for i in range(width)) + " |",
+        "| --- | --- |" + " --- |" * width,
+        f"| initialisation | {first['before']['kl']:.2f} | "
+        + " | ".join(f"{v:.2f}" for v in first["before"]["agreement"]) + " |",
+    ]
+    for i, p in enumerate(passes):
+        after = p["held_out"]["after"]
+        lines.append(f"| after pass {i + 1} | {after['kl']:.2f} | "
+                     + " | ".join(f"{v:.2f}" for v in after["agreement"]) + " |")
+    return lines
+
+
+def dflash_reference(r: dict) -> list[str]:
+    s, m = r["settings"], r["machine"]
+    lines = [
+        f"**DFlash, ours against the reference** (`python -m bench.dflash_reference`; "
+        f"{s['reference']}'s MLX `stream_generate` at block {s['block_size']} beside our "
+        f"`generate` at k = {s['block_size'] - 1}, the demo target and demo/dflash, one "
+        f"sequence, {s['prompts']}, {s['max_tokens']} tokens; {s['dtype']}, {m['device']}; "
+        f"median of {s['repeats']} processes; greedy tokens equal the reference's: "
+        f"{'yes' if r['greedy_equal_reference'] else 'NO'}, plain decoding's: "
+        f"{'yes' if r['greedy_equal_plain'] else 'NO'}; [json](results/dflash_reference.json), "
+        "[plot](results/dflash_reference.png))",
+        "",
+        "| contender | greedy tok/s | vs plain | tau | T = 0.7 tok/s | vs plain | tau |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for contender in s["contenders"]:
+        cells = []
+        for t in s["temperatures"]:
+            x = next(y for y in r["summary"] if (y["contender"], y["temperature"])
+                     == (contender, t))
+            cells += [f"{x['tps']:.0f}", f"{x['vs_plain']:.2f}x", f"{x['tau']:.2f}"]
+        lines.append(f"| {contender} | " + " | ".join(cells) + " |")
+    ratio = ", ".join(f"{'greedy' if float(t) == 0 else 'T = ' + t} {v:.2f}x"
+                      for t, v in r["ours_vs_reference"].items())
+    lines += ["", f"Ours over the reference's tokens/s: {ratio}."]
+    return lines
+
+
+def dflash_shapes(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        "**What a DFlash block costs on 4B shapes** (`python -m bench.dflash_shapes`; random "
+        f"weights, {s['dtype']}, a {s['draft_layers']}-layer drafter, block {s['block_size']}, "
+        f"after a {s['prompt']}-token prompt, median of {s['repeats']}; "
+        "[json](results/dflash_shapes.json), [plot](results/dflash_shapes.png)). A model, not a "
+        f"measurement of speed-up: {s['model']}.",
+        "",
+        "| target shape | t_1 (ms) | block forward / t_1 | t_v(16) / t_1 | speed-up at tau 3 / 5 "
+        "/ 7 (modelled) | tau to break even |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in r["runs"]:
+        p = run["predicted_speedup"]
+        lines.append(f"| {run['shape']} | {run['t_1_ms']:.0f} | {run['block_over_step']:.2f} | "
+                     f"{run['verify16_over_step']:.2f} | {p['3']:.2f}x / {p['5']:.2f}x / "
+                     f"{p['7']:.2f}x | {run['break_even_tau']:.2f} |")
+    return lines
