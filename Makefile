@@ -25,9 +25,13 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.demo
 	HF_HUB_OFFLINE=1 $(PY) -m tinydraft_mlx.generate --prompt "$$DEMO_PROMPT" --max-tokens 64 --verbose
 
+# the tests in worker processes, one per core (at most 4: each loads its own fixtures), then
+# the few that assert on wall-clock time (marked `serial`) alone
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check tinydraft_mlx tests bench training
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=10
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=10 -n auto --maxprocesses=4 --dist loadfile \
+		-m "not serial"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=5 -m serial
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

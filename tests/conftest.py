@@ -30,6 +30,23 @@ from tests.fixtures import (
 DEVICE_ENV = "TINYDRAFT_TEST_DEVICE"
 
 
+def _own_kernel_directory() -> None:
+    """A pytest-xdist worker compiles MLX's CPU kernels into a temp directory of its own: MLX
+    keeps them under the temp directory by name, and two processes compiling the same kernel
+    at once could load each other's half-written library."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        import tempfile
+
+        path = os.path.join(tempfile.gettempdir(), f"tinydraft-tests-{worker}")
+        os.makedirs(path, exist_ok=True)
+        os.environ["TMPDIR"] = path
+        tempfile.tempdir = None
+
+
+_own_kernel_directory()
+
+
 def _run_device():
     import mlx.core as mx
 

@@ -348,6 +348,7 @@ def test_eight_concurrent_streaming_clients(served, models):
     assert health["requests"]["completed"] - before == 32
 
 
+@pytest.mark.serial  # bounds a wall-clock time: run alone
 def test_hang_up_mid_stream_stops_the_generation(served, models):
     """A client that hangs up after a few tokens: the generation (3000 tokens requested, ~10 s)
     stops within a round, and the next request, on the same prompt, hence on the cache the

@@ -179,6 +179,7 @@ def test_a_disconnect_and_a_failure_mid_batch_leave_the_others_exact(batched, mo
     assert r.choices[0].text == _library(models, victim, "model", max_tokens=20, k=3)
 
 
+@pytest.mark.serial  # bounds a wall-clock time: run alone
 def test_a_long_prompt_joining_does_not_stall_the_running_streams(batched, models):
     """A 3.9k-token prompt joins while a stream runs: its prefill is chunked between rounds
     (`worker.JOIN_PREFILL_STEP` tokens), so the running stream's longest gap between chunks stays

@@ -15,6 +15,9 @@ import time
 import httpx
 import pytest
 
+# the shutdown tests bound how long a signal takes to be answered: run alone
+pytestmark = pytest.mark.serial
+
 COMPLETIONS = "/v1/completions"
 
 

@@ -24,6 +24,9 @@ from tinydraft_mlx.serving import worker as worker_module
 from tinydraft_mlx.serving.limits import RepeatFilter
 from tinydraft_mlx.serving.worker import Worker
 
+# several tests bound how long the server takes to answer or to close: run alone
+pytestmark = pytest.mark.serial
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
