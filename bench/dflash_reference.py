@@ -6,9 +6,11 @@ same target (the demo's) and the same drafter (demo/dflash/), one sequence.
 The reference installs into bench/.peers/ (`pip install --no-deps --target`; it is not a
 dependency of the package: its pins conflict with ours) when it is not importable. Contenders,
 each in a process of its own, REPEATS rounds interleaved: "plain" (our plain decoding),
-"ours" (our generate, k = 15: the drafter's whole block) and "reference" (its stream_generate,
-block_size 16), greedy and T = 0.7 (no top-p / top-k: the reference's sampler and ours then
-warp alike), 3 held-out stdlib prompts (bench/demo_quality.py's) x 128 tokens, after a warm-up,
+"ours" (our generate, k = 15: the drafter's whole block), "ours-auto" (k = "auto": the
+block length chosen each round from measured round costs and acceptance, 0 = plain rounds
+included; a fresh policy in each process) and "reference" (its stream_generate, block_size
+16), greedy and T = 0.7 (no top-p / top-k: the reference's sampler and ours then warp alike),
+3 held-out stdlib prompts (bench/demo_quality.py's) x 128 tokens, after a warm-up,
 every model in float32 (the checkpoints are float16, which this CPU runs without BLAS).
 Reported per contender: tokens/s over the decoding (prefill included, the same prompts for
 all), tau (tokens per target forward: generated / rounds; the reference's per yielded round),
@@ -18,6 +20,7 @@ and for greedy whether our tokens equal the reference's (the same algorithm: the
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "bench" / ".peers"
 DFLASH = ROOT / "tinydraft_mlx" / "demo" / "dflash"
 TARGET = ROOT / "tinydraft_mlx" / "demo" / "target"
-CONTENDERS = ("plain", "ours", "reference")
+CONTENDERS = ("plain", "ours", "ours-auto", "reference")
 TEMPERATURES = (0.0, 0.7)
 MAX_TOKENS, REPEATS, BLOCK = 128, 3, 16
 
@@ -42,6 +45,7 @@ def ensure_reference() -> None:
 
 
 def worker(contender: str, temperature: float) -> dict:
+    os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # k="auto" learns in this process alone
     from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
     from bench.demo_quality import held_out_prompts
 
@@ -50,7 +54,8 @@ def worker(contender: str, temperature: float) -> dict:
     from tinydraft_mlx import generate, load_models
 
     texts = held_out_prompts(3, seed=0)
-    target, draft, tok = load_models(str(TARGET), str(DFLASH) if contender == "ours" else "none",
+    drafting = contender.startswith("ours")
+    target, draft, tok = load_models(str(TARGET), str(DFLASH) if drafting else "none",
                                      dtype="float32")
 
     if contender == "reference":
@@ -75,8 +80,9 @@ def worker(contender: str, temperature: float) -> dict:
             return tokens, rounds
     else:
         def one(text: str, n: int) -> tuple[list[int], int]:
+            k = {"ours": BLOCK - 1, "ours-auto": "auto"}.get(contender, 1)
             out, stats = generate(target, draft, tok, text, max_tokens=n, temperature=temperature,
-                                  k=BLOCK - 1 if contender == "ours" else 1)
+                                  k=k)
             return out, stats.rounds - 1  # the first token comes from the prefill
 
     one(texts[0], 16)  # warm-up
@@ -136,6 +142,7 @@ def main() -> None:
     greedy = {c: next(r["outputs"] for r in runs if (r["contender"], r["temperature"])
                       == (c, 0.0)) for c in CONTENDERS}
     ours = {s["temperature"]: s["tps"] for s in summary if s["contender"] == "ours"}
+    auto = {s["temperature"]: s["tps"] for s in summary if s["contender"] == "ours-auto"}
     theirs = {s["temperature"]: s["tps"] for s in summary if s["contender"] == "reference"}
     report = {"machine": runs[0]["machine"], "settings": {
         "contenders": CONTENDERS, "temperatures": TEMPERATURES, "max_tokens": MAX_TOKENS,
@@ -145,6 +152,7 @@ def main() -> None:
         "greedy_equal_reference": greedy["ours"] == greedy["reference"],
         "greedy_equal_plain": greedy["ours"] == greedy["plain"],
         "ours_vs_reference": {str(t): round(ours[t] / theirs[t], 3) for t in TEMPERATURES},
+        "auto_vs_reference": {str(t): round(auto[t] / theirs[t], 3) for t in TEMPERATURES},
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k not in ("machine", "outputs")} for r in runs]}
     print(save(report, "dflash_reference", plot))

@@ -55,8 +55,30 @@ def dflash_reference(r: dict) -> list[str]:
         lines.append(f"| {contender} | " + " | ".join(cells) + " |")
     ratio = ", ".join(f"{'greedy' if float(t) == 0 else 'T = ' + t} {v:.2f}x"
                       for t, v in r["ours_vs_reference"].items())
-    lines += ["", f"Ours over the reference's tokens/s: {ratio}."]
+    lines += ["", f"Ours at the reference's block over its tokens/s: {ratio}."]
+    if "auto_vs_reference" in r:
+        auto = ", ".join(f"{'greedy' if float(t) == 0 else 'T = ' + t} {v:.2f}x"
+                         for t, v in r["auto_vs_reference"].items())
+        lines[-1] += (f" Ours with k = \"auto\" (the block length, plain rounds included, "
+                      f"chosen from measured costs and acceptance): {auto}.")
     return lines
+
+
+def acceptance_rules(r: dict) -> list[str]:
+    s = r["settings"]
+    return [
+        f"**Acceptance by rule, the same drafter** (`python -m bench.acceptance_rules`; "
+        f"{s['drafter']}, T = {s['temperature']}, exact per position along the target's own "
+        f"continuations, {r['positions']} positions, {s['dtype']}; "
+        "[json](results/acceptance_rules.json), [plot](results/acceptance_rules.png)): the "
+        "probability that a proposal is accepted under our min(1, p/q) and under token matching "
+        "(mlx-vlm's and oMLX's DFlash rule at T > 0, which does not run here on the demo "
+        "target)",
+        "",
+        "| min(1, p/q) | token match | ratio |",
+        "| --- | --- | --- |",
+        f"| {r['min_p_q']:.3f} | {r['token_match']:.3f} | {r['ratio']:.2f}x |",
+    ]
 
 
 def dflash_shapes(r: dict) -> list[str]:

@@ -535,6 +535,7 @@ def main() -> None:
         ("drafters", render_heads.drafters),
         ("train_dflash", render_blocks.train_dflash),
         ("dflash_reference", render_blocks.dflash_reference),
+        ("acceptance_rules", render_blocks.acceptance_rules),
         ("dflash_shapes", render_blocks.dflash_shapes),
     ]:
         data = _load(name)
