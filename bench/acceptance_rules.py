@@ -35,8 +35,7 @@ def measure() -> dict:
     from tinydraft_mlx import generate, load_models
 
     start = time.time()
-    target, draft, tok = load_models(str(TARGET), "none", dtype="float32")
-    _, block, _ = load_models(str(TARGET), str(DFLASH), dtype="float32")
+    target, block, tok = load_models(str(TARGET), str(DFLASH), dtype="float32")
     source = block.source()
     ours, match = [], []
     for i, text in enumerate(held_out_prompts(PROMPTS, seed=0)):

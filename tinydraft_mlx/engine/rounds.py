@@ -265,9 +265,10 @@ class BatchDecoder:
                                  "prompt lookup or None", type(source.model).__name__)
         self.drafting.add(source, self.target)  # a head's chain when its first row comes
         k_cap = reach = max_draft_length(source, k)
-        if k == AUTO:  # a block drafter's reach, within what these rows can roll back
-            k_cap = min(k_cap, self.max_k if self.limited else k_cap,
-                        BITWISE_MAX_K if self.bitwise else k_cap)
+        if k == AUTO and self.limited:  # a block drafter's reach, within what rows roll back
+            k_cap = min(k_cap, self.max_k)
+        if k == AUTO and self.bitwise:
+            k_cap = min(k_cap, BITWISE_MAX_K)
         if self.bitwise and k_cap > BITWISE_MAX_K:
             raise ParameterError("k", f"an integer in [1, {BITWISE_MAX_K}] or \"auto\" with "
                                  "bitwise", k)

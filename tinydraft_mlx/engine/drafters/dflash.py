@@ -151,12 +151,16 @@ class BlockAttention(nn.Module):
     def _heads(self, x: mx.array, n: int) -> mx.array:
         return x.reshape(*x.shape[:2], n, -1)
 
+    def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(B, N, D) positions -> their (B, kv_heads, N, head_dim) keys (normed, before RoPE)
+        and values."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.kv_heads)).transpose(0, 2, 1, 3)
+        return k, self._heads(self.v_proj(x), self.kv_heads).transpose(0, 2, 1, 3)
+
     def __call__(self, x: mx.array, ctx: mx.array, layout: _Layout, cache: Any) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self._heads(self.q_proj(x), self.heads)).transpose(0, 2, 1, 3)
-        both = mx.concatenate([ctx, x], axis=1)  # context positions, then the block
-        k = self.k_norm(self._heads(self.k_proj(both), self.kv_heads)).transpose(0, 2, 1, 3)
-        v = self._heads(self.v_proj(both), self.kv_heads).transpose(0, 2, 1, 3)
+        k, v = self.keys_values(mx.concatenate([ctx, x], axis=1))  # the context, then the block
         if layout.order is not None:  # rows with fewer context positions: [ctx_b, block, pad]
             k = mx.take_along_axis(k, layout.order, axis=2)
             v = mx.take_along_axis(v, layout.order, axis=2)
@@ -367,8 +371,7 @@ class DFlashDraft(nn.Module):
         start = cache[0].offset + shift
         for layer, c in zip(self.layers, cache):
             a = layer.self_attn
-            k = a.k_norm(a._heads(a.k_proj(ctx), a.kv_heads)).transpose(0, 2, 1, 3)
-            v = a._heads(a.v_proj(ctx), a.kv_heads).transpose(0, 2, 1, 3)
+            k, v = a.keys_values(ctx)
             c.update_and_fetch(a.rope(k, offset=start), v)
 
     def make_cache(self) -> list[Any]:
