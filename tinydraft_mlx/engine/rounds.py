@@ -41,7 +41,6 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,81 +56,19 @@ from .distributed import ranks_of
 from .drafters import Drafting, Proposals, Source, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
 from .hidden import capture
-from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, Acceptance, choose, sampling_regime, shared_policy
+from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, choose, sampling_regime, shared_policy
 from .sampling import ParameterError, Processor, SamplingParams
 from .sampling.rejection import greedy_accept_ids
+from .sequence import Finished, Row, Token
 from .stats import GenerationStats
+from .tree_verify import check_budget, choices, compact, in_path_order, layout, shapes
+from .tree_verify import forward as tree_forward
+from .tree_verify import refusal as tree_refusal
+from .trees import MAX_TREE, Tree
 
 __all__ = ["BatchDecoder", "Finished", "Token", "max_draft_length", "unbatchable"]
 
 Progress = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens to process)
-
-
-@dataclass(frozen=True)
-class Token:
-    """One generated token. `from_draft`: a draft proposal the target accepted. `logprobs`: the
-    target's log-probabilities at this position, (V,), after logits processors and before any
-    warp (lazy: computed only if read). `finish_reason`: "eos" or "length" on the last token,
-    else None. `stats`: the generation's live statistics object."""
-
-    id: int
-    from_draft: bool
-    stats: GenerationStats
-    logprobs: mx.array | None = None
-    finish_reason: str | None = None
-
-
-@dataclass
-class Finished:
-    """What a sequence leaves behind: its generated ids, statistics, and (when asked for at
-    insert) its one-sequence caches holding prompt + generated[:-1]."""
-
-    uid: int
-    tokens: list[int]
-    stats: GenerationStats
-    target_cache: Cache | None = None
-    draft_cache: Cache | None = None
-
-
-@dataclass
-class _Row:
-    """One sequence. `seq` is prompt + emitted; in the batch its target row holds seq[:-1]."""
-
-    uid: int
-    seq: list[int]
-    prompt_len: int
-    source: Source
-    k_cap: int
-    sampling: SamplingParams
-    key: mx.array
-    eos: frozenset[int]
-    max_tokens: int
-    processors: Sequence[Processor]
-    stats: GenerationStats
-    logprobs: bool
-    keep_caches: bool
-    acceptance: Acceptance | None = None  # k="auto": this row's regime's, shared by its pair
-    target_cache: Cache | None = None  # one-sequence caches while the prompt is prefilled
-    draft_cache: Cache | None = None
-    round_k: int = 0
-    draft_key: mx.array | None = None  # this round's keys (None when greedy)
-    verify_key: mx.array | None = None
-
-    @property
-    def generated(self) -> int:
-        return len(self.seq) - self.prompt_len
-
-    def split(self) -> None:
-        """This round's keys, where the row draws with keys of its own: an unseeded sampled row
-        splits two for a drafting round (draft, verify) and one for a plain step with logits
-        processors; otherwise its draws are the batch's shared ones or its seed's noise."""
-        s = self.sampling
-        if s.greedy or s.seed is not None or not (self.round_k or self.processors):
-            self.draft_key = self.verify_key = None
-        elif self.round_k:
-            self.key, self.draft_key, self.verify_key = mx.random.split(self.key, 3)
-        else:
-            self.key, self.verify_key = mx.random.split(self.key)
 
 
 def _progress(progress: Progress, total: int) -> Callable[[int], None]:
@@ -210,8 +147,8 @@ class BatchDecoder:
         chunk = self.margin + 1 if self.limited and not self.single else prefill_step
         self.drafting = Drafting(rows, chunk, self.width)
         self.drafting.add(base, target)
-        self.rows: list[_Row] = []  # in the batch, in cache row order
-        self.pending: list[_Row] = []  # prefilling, first come first served
+        self.rows: list[Row] = []  # in the batch, in cache row order
+        self.pending: list[Row] = []  # prefilling, first come first served
         self.finished: dict[int, Finished] = {}
         self.stream = generation_stream()
         # unseeded rows draw together from this key; a seeded row uses its own
@@ -247,18 +184,26 @@ class BatchDecoder:
         draft_cache: Cache | None = None,
         logprobs: bool = False,
         keep_caches: bool = False,
+        tree: int | None = None,
     ) -> int:
         """Queue a sequence; returns its uid. Arguments are assumed valid (the API checks them):
         `draft` is anything `resolve_drafter` takes whose model (if any) is the decoder's
         ("model" and "hybrid" name it);
         caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
-        `keep_caches`: keep the sequence's caches for `remove` / `finished`."""
+        `keep_caches`: keep the sequence's caches for `remove` / `finished`; `tree`: verify
+        candidate trees of at most this many nodes (trees.py; k is their depth limit, and
+        k="auto" the drafter's reach) instead of chains."""
         if not prompt:
             raise ParameterError("prompt", "at least one token", prompt)
         if self.single and len(self):
             raise ValueError("this decoder holds one sequence at a time (single=True, or a "
                              "tensor-parallel target, or layers a batch cannot hold)")
         source = resolve_drafter(draft, self.draft, self.target)
+        check_budget(tree, MAX_TREE)
+        limited = self.limited or self.ranks is not None
+        if tree is not None and (why := tree_refusal(self.target, source, logits_processors,
+                                                     self.bitwise, limited)):
+            raise ParameterError("tree", why, tree)
         if source.model is not None and not (self.drafting.has(source.model)
                                              or source.reads_target):
             raise ParameterError("draft", "the batch's draft model, a head of its target, "
@@ -284,12 +229,12 @@ class BatchDecoder:
                                  f"{len(prompt) - 1} tokens (got {cache_length(cache)})")
         self._uid += 1
         stats = GenerationStats(k=k if source.drafts else 0, prompt_tokens=len(prompt),
-                                cached_tokens=cache_length(target_cache))
-        row = _Row(self._uid, list(prompt), len(prompt), source, k_cap, sampling,
+                                cached_tokens=cache_length(target_cache), tree=tree)
+        row = Row(self._uid, list(prompt), len(prompt), source, k_cap, sampling,
                    mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
                    max_tokens, list(logits_processors), stats, logprobs, keep_caches,
-                   target_cache=target_cache, draft_cache=draft_cache)
-        if k == AUTO and source.drafts:
+                   target_cache=target_cache, draft_cache=draft_cache, tree=tree)
+        if k == AUTO and source.drafts and tree is None:
             pair = shared_policy(self.target, source.policy_key, max(AUTO_MAX_K, reach))
             row.acceptance = pair.acceptance(sampling_regime(sampling))
             stats.policy = pair
@@ -329,7 +274,7 @@ class BatchDecoder:
                 return self._leave([row]).pop(uid, None)
         return None
 
-    def _leave(self, rows: list[_Row]) -> dict[int, Finished]:
+    def _leave(self, rows: list[Row]) -> dict[int, Finished]:
         """Rows out of the batch: their caches rolled back to seq[:-1], extracted where kept;
         a queued round forgets them too."""
         leaving = {id(r) for r in rows}
@@ -394,7 +339,7 @@ class BatchDecoder:
         if joined:
             self._join(joined)
 
-    def _join(self, rows: list[_Row]) -> None:
+    def _join(self, rows: list[Row]) -> None:
         """Rows whose prompt is in enter the batch (one copy of each cache for all of them,
         evaluated here so that the next round's time is the round's own)."""
         self.target_cache.add([r.target_cache for r in rows])
@@ -432,7 +377,9 @@ class BatchDecoder:
                 proposals = self.drafting.propose(self.rows, [r.round_k for r in self.rows])
                 for row, k in zip(self.rows, proposals.ks):
                     row.round_k = k  # a host source may offer fewer than asked
-                results = self._verify(proposals)
+                grown = any(r.tree and r.round_k for r in self.rows)
+                results = (self._verify_trees(proposals, shapes(self.rows, proposals))
+                           if grown else self._verify(proposals))
         else:
             proposals, results = queued
         self._chosen = None
@@ -485,10 +432,10 @@ class BatchDecoder:
             picks.append(max(0, min(k, limit, row.k_cap)))
         return picks
 
-    def _auto_pairs(self) -> dict[int, list[_Row]]:
+    def _auto_pairs(self) -> dict[int, list[Row]]:
         """The k="auto" rows by the policy of their (target, drafter) pair, in row order: each
         pair chooses its k from its own costs and acceptance, and books its own rounds."""
-        pairs: dict[int, list[_Row]] = {}
+        pairs: dict[int, list[Row]] = {}
         for row in self.rows:
             if row.acceptance is not None:
                 pairs.setdefault(id(row.stats.policy), []).append(row)
@@ -525,6 +472,29 @@ class BatchDecoder:
                                ahead=0 if inputs is None else 1)
         return results, kept, seen if reads else None
 
+    def _verify_trees(self, proposals: Proposals, trees: list[Tree]) -> tuple:
+        """`_verify` for a round in which rows verify trees (`trees`: every row's, a chain where
+        it asks for none; tree_verify.py): a tree row's result is the target's choice at each
+        of its nodes, its kept logits all of its nodes' (the commit takes its path's)."""
+        tokens, depths, ancestors = layout(trees)
+        reads = self.drafting.reads_target(self.rows)
+        with capture() if reads else nullcontext([]) as seen:
+            logits = tree_forward(self.target, self.target_cache,
+                                  model_inputs(self.target, tokens), depths, ancestors)
+        grown = {b: t for b, (r, t) in enumerate(zip(self.rows, trees)) if r.tree and r.round_k}
+        ks = [r.round_k for r in self.rows]
+        for b in grown:  # chain rows as ever; tree rows' chain results are not read
+            self.rows[b].round_k = 0
+        try:
+            results, kept = verify(self.rows, proposals, logits, self._shared_key)
+        finally:
+            for row, k in zip(self.rows, ks):
+                row.round_k = k
+        for b, chosen in choices(self.rows, grown, logits).items():
+            results[b], kept[b] = chosen, logits[b : b + 1] if self.rows[b].logprobs else None
+            self.rows[b].shape = grown[b]
+        return results, kept, seen if reads else None
+
     def _shared_key(self) -> mx.array:
         self.key, key = mx.random.split(self.key)
         return key
@@ -537,30 +507,45 @@ class BatchDecoder:
         rows leave."""
         ahead = 1 if self._queued is not None else 0
         out: dict[int, list[Token]] = {}
-        finished: list[_Row] = []
+        finished: list[Row] = []
         keep, befores = [], []
         peak = mx.get_peak_memory() / 1e9
         sizes = [r.size for r in results]
         flat = mx.concatenate(results).tolist()  # one read for the whole batch
         drafted = proposals.values() if any(proposals.ks) else [[]] * len(self.rows)
+        paths = []  # each row's accepted positions of its verify, in order
         at = 0
         for row, size, logits, drafts in zip(self.rows, sizes, kept, drafted):
             k = row.round_k
             values, at = flat[at : at + size], at + size
-            if row.sampling.greedy:
-                n, token = greedy_accept_ids(values, drafts[:k])
-            else:  # [n, token], or [token] for a plain step
-                n, token = values if size == 2 else (0, values[0])
+            if row.shape is not None:  # a tree: its walk (trees.py)
+                path, tokens = row.shape.walk(values)
+                n, k = len(path) - 1, len(row.shape) - 1
+                row.draft_end = len(row.seq) + row.shape.agreed(path)
+                logits = None if logits is None else logits[:, path]
+            else:
+                if row.sampling.greedy:
+                    n, token = greedy_accept_ids(values, drafts[:k])
+                else:  # [n, token], or [token] for a plain step
+                    n, token = values if size == 2 else (0, values[0])
+                tokens, path = drafts[:n] + [token], list(range(n + 1))
             befores.append(len(row.seq))
-            row.stats.record_round(k, n)
+            row.stats.record_round(k, n, max(row.shape.depths) if row.shape else None)
             row.stats.decode_seconds += elapsed
             row.stats.peak_memory = peak
             if row.acceptance is not None and k:
                 row.acceptance.update(k, n)
-            out[row.uid] = self._emit(row, drafts[:n] + [token], n, logits, finished)
+            out[row.uid] = self._emit(row, tokens, n, logits, finished)
             keep.append(len(row.seq) - 1 + ahead)
+            paths.append(path)
+        if any(r.shape is not None for r in self.rows):  # the walked paths into place
+            compact([layer for layer in self.target_cache.layers if hasattr(layer, "keys")],
+                    [b - 1 for b in befores], paths)
+            seen = None if seen is None else in_path_order(seen, paths)
         self.target_cache.rollback(keep)
         self.drafting.commit(self.rows, befores, proposals, seen)
+        for row in self.rows:
+            row.shape = row.draft_end = None
         if timed:
             for auto in self._auto_pairs().values():
                 k = max(r.round_k for r in auto)
@@ -572,8 +557,8 @@ class BatchDecoder:
         return out
 
     @staticmethod
-    def _emit(row: _Row, tokens: list[int], n: int, logits: mx.array | None,
-              finished: list[_Row]) -> list[Token]:
+    def _emit(row: Row, tokens: list[int], n: int, logits: mx.array | None,
+              finished: list[Row]) -> list[Token]:
         """Append the round's tokens to the row (up to its end) as `Token`s."""
         emitted = []
         for i, tok in enumerate(tokens):

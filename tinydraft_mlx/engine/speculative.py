@@ -39,6 +39,7 @@ def decode(
     prompt_progress_callback: Progress | None = None,
     bitwise: bool = False,
     max_kv_size: int | None = None,
+    tree: int | None = None,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
     `api.stream_generate`). `draft` is anything `drafters.resolve_drafter` takes (a model, a
@@ -49,7 +50,8 @@ def decode(
     target's prefill of the prompt tokens not already cached. `bitwise`: every target forward
     carries the same number of positions (`bitwise.py`): greedy output is plain greedy
     decoding's bit for bit. `max_kv_size`: the bound of caches the decoder makes itself (a
-    head's, where none is passed), as `make_cache` bounds one.
+    head's, where none is passed), as `make_cache` bounds one. `tree`: verify candidate
+    trees of at most this many nodes (trees.py) instead of chains.
 
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
@@ -60,7 +62,7 @@ def decode(
     uid = decoder.insert(prompt, draft=source, k=k, max_tokens=max_tokens, sampling=sampling,
                          eos_token_ids=eos_token_ids, logits_processors=logits_processors,
                          target_cache=target_cache, draft_cache=draft_cache, logprobs=True,
-                         keep_caches=True)
+                         keep_caches=True, tree=tree)
     with wired_limit((target, source.model), [decoder.stream]):
         seq: list[int] = []
         try:  # from the prefill on: however it ends, `finally` leaves the caches consistent

@@ -14,10 +14,13 @@ class GenerationStats:
 
     acceptance_rate is accepted / drafted. per_position_acceptance[i] is the fraction of rounds that
     reached draft position i (every earlier draft accepted) in which position i was accepted too, so
-    it estimates the per-position acceptance probability. With no draft both are empty/zero.
+    it estimates the per-position acceptance probability. With no draft both are empty/zero. With
+    candidate trees, drafted counts the nodes verified, accepted those on the walked path, and
+    position i is depth i + 1.
     """
 
     k: int | str = 0  # draft tokens per round as requested: an int, or "auto"
+    tree: int | None = None  # a candidate tree's node budget (then k is its depth limit)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from a prompt cache (not prefilled)
     generated: int = 0
@@ -44,15 +47,18 @@ class GenerationStats:
     blas: str = field(default_factory=active_blas)  # which BLAS MLX's CPU backend used
     policy: Any = field(default=None, repr=False, compare=False)  # the k="auto" policy, if any
 
-    def record_round(self, drafted: int, accepted: int) -> None:
-        """Book one verify round: `drafted` proposals of which the first `accepted` were kept."""
+    def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """Book one verify round: `drafted` proposals of which the first `accepted` were kept
+        (a candidate tree: `drafted` nodes `depth` deep, `accepted` of them on the walked path;
+        its positions are its depths)."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        _grow(self.position_reached, drafted)
-        _grow(self.position_accepted, drafted)
+        depth = drafted if depth is None else depth
+        _grow(self.position_reached, depth)
+        _grow(self.position_accepted, depth)
         _grow(self.accepted_length_counts, accepted + 1)
-        for i in range(min(accepted + 1, drafted)):
+        for i in range(min(accepted + 1, depth)):
             self.position_reached[i] += 1
         for i in range(accepted):
             self.position_accepted[i] += 1
@@ -95,8 +101,9 @@ class GenerationStats:
         # estimate: "-", not 0.00
         positions = " ".join(f"{a:.2f}" if r else "-" for a, r in
                              zip(self.per_position_acceptance, self.position_reached))
+        shape = f"tree={self.tree} k={self.k}" if self.tree else f"k={self.k}"
         return (
-            f"speculative k={self.k}: {speed}; acceptance {self.acceptance_rate:.1%} "
+            f"speculative {shape}: {speed}; acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted}/{self.drafted}), {self.mean_accepted_length:.2f} accepted + 1 per "
             f"round over {_count(self.rounds, 'round')}, per position [{positions}]"
             # the choices of k="auto"; a fixed k's rounds only shorten where max_tokens is near

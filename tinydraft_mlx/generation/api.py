@@ -15,7 +15,8 @@ from typing import Any
 import mlx.nn as nn
 
 from ..engine.bitwise import refusal as bitwise_refusal
-from ..engine.cache import KEEP, Cache, cache_length, make_cache
+from ..engine.cache import KEEP, Cache, cache_length, layer_kinds, make_cache
+from ..engine.distributed import ranks_of
 from ..engine.drafters import Source, resolve_drafter
 from ..engine.drafters.lookup import PromptLookup
 from ..engine.forward import vocab_width
@@ -24,6 +25,7 @@ from ..engine.rounds import Progress, Token, max_draft_length
 from ..engine.sampling import ParameterError, Processor, SamplingParams, check_int
 from ..engine.speculative import decode
 from ..engine.stats import GenerationStats
+from ..engine.tree_verify import refusal as tree_refusal
 from .options import Options, check_vocab, make_options
 from .prompt_cache import PromptCache
 from .text import GenerationResponse, Messages, prompt_ids, responses
@@ -65,6 +67,7 @@ def stream_generate(
     prompt_progress_callback: Progress | None = None,
     chat_template: str | None = None,
     bitwise: bool = False,
+    tree: int | None = None,
     options: Options | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `target`, drafting with `draft`, yielding a `GenerationResponse` per token as
@@ -112,7 +115,11 @@ def stream_generate(
     prompt_progress_callback(processed, total): during the prefill of the uncached prompt tokens.
     options: an `Options` from `make_options` instead of the keyword arguments it holds (k,
     max_tokens, sampling, stop, penalties, logit_bias, logits_processors, max_kv_size,
-    chat_template, bitwise); giving both is refused.
+    chat_template, bitwise, tree); giving both is refused.
+    tree: verify a tree of at most this many candidate tokens (1..64) a round instead of a chain
+    of k (engine/trees.py: the drafter's most probable continuations, DDTree's best-first
+    expansion for a block drafter; k is the tree's depth limit, "auto" the drafter's reach).
+    Exact as chains are; full-attention targets, no logits processors.
     """
     given = dict(k=k, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  min_p=min_p, seed=seed, max_kv_size=max_kv_size,
@@ -121,7 +128,7 @@ def stream_generate(
                  presence_penalty=presence_penalty, presence_context_size=presence_context_size,
                  frequency_penalty=frequency_penalty,
                  frequency_context_size=frequency_context_size, logit_bias=logit_bias,
-                 stop=stop, chat_template=chat_template, bitwise=bitwise)
+                 stop=stop, chat_template=chat_template, bitwise=bitwise, tree=tree)
     options = options_from(options, given, vocab_width(target))
     plan = prepare(target, draft, tokenizer, prompt, options, prompt_cache=prompt_cache,
                    prompt_progress_callback=prompt_progress_callback)
@@ -145,7 +152,7 @@ def run_prepared(target: nn.Module, plan: Prepared, tokenizer: Any) -> Iterator[
             sampling=plan.sampling, eos_token_ids=plan.eos, target_cache=target_cache,
             draft_cache=draft_cache, logits_processors=plan.processors,
             prompt_progress_callback=plan.progress, bitwise=plan.options.bitwise,
-            max_kv_size=plan.max_kv_size,
+            max_kv_size=plan.max_kv_size, tree=plan.options.tree,
         )
 
     return _stream(steps, caches, tokenizer, plan.options.stop, plan.eos, prompt_cache, plan.ids)
@@ -225,11 +232,27 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
                                  max_kv_size) from None
     if options.bitwise and (why := bitwise_refusal(target, max_kv_size)) is not None:
         raise ParameterError("bitwise", why, True)
+    check_tree(target, drafter, options, max_kv_size)
     if prompt_cache is not None:
         prompt_cache.check_models(target, drafter.model)
         prompt_cache.check_free()
     return Prepared(ids, drafter, options, k_eff, options.sampling, options.processors(),
                     eos_ids(tokenizer), max_kv_size, prompt_cache, prompt_progress_callback)
+
+
+def check_tree(target: nn.Module, drafter: Source, options: Options,
+               max_kv_size: int | None) -> None:
+    """ParameterError where `options.tree` is set and this generation cannot verify trees (no
+    drafter, logits processors, bitwise, a bounded cache, layers other than full attention in
+    the target or the draft model, a tensor-parallel target)."""
+    if options.tree is None:
+        return
+    models = [m for m in (target, drafter.model) if m is not None]
+    limited = max_kv_size is not None or ranks_of(target) is not None or any(
+        kind != "kv" for m in models for kind in layer_kinds(m) or ["other"])
+    why = tree_refusal(target, drafter, options.processors(), options.bitwise, limited)
+    if why is not None:
+        raise ParameterError("tree", why, options.tree)
 
 
 def _stream(steps, caches, tokenizer, stops, eos, prompt_cache,

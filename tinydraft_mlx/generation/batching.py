@@ -126,7 +126,8 @@ def _run(decoder: BatchDecoder, plans: list[Prepared],
                              max_tokens=plan.options.max_tokens,
                              sampling=plan.sampling, eos_token_ids=plan.eos,
                              logits_processors=plan.processors, target_cache=target_cache,
-                             draft_cache=draft_cache, keep_caches=cache is not None)
+                             draft_cache=draft_cache, keep_caches=cache is not None,
+                             tree=plan.options.tree)
         feeds[uid] = deque()
         texts[uid] = responses(drain(feeds[uid]), tokenizer, plan.options.stop, plan.eos)
         order.append(uid)

@@ -21,6 +21,8 @@ from ..engine.bitwise import MAX_K as BITWISE_MAX_K
 from ..engine.cache import KEEP
 from ..engine.policy import AUTO, AUTO_MAX_K, DEFAULT_K
 from ..engine.sampling import ParameterError, Processor, SamplingParams, check_float, check_int
+from ..engine.tree_verify import check_budget
+from ..engine.trees import MAX_TREE
 from .text import check_stop
 
 MAX_DRAFT_TOKENS = 64
@@ -40,7 +42,9 @@ class Options:
     and frequency penalties; a repetition_penalty of 1 is neutral). logprobs: how many top
     log-probabilities a server reply lists per token (None: none). bitwise: every target
     forward carries the same number of positions, so greedy output is plain greedy decoding's
-    bit for bit on any device (engine/bitwise.py; k at most BITWISE_MAX_K)."""
+    bit for bit on any device (engine/bitwise.py; k at most BITWISE_MAX_K). tree: verify
+    candidate trees of at most this many nodes a round instead of chains (engine/trees.py; k
+    is then their depth limit); None: chains."""
 
     k: int | str = DEFAULT_K
     max_tokens: int = 256
@@ -62,6 +66,7 @@ class Options:
     chat_template: str | None = None
     logprobs: int | None = None
     bitwise: bool = False
+    tree: int | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -140,6 +145,7 @@ def make_options(*, vocab_size: int | None = None, **given: Any) -> Options:
         check_int("logprobs", values["logprobs"], 0, MAX_TOP_LOGPROBS)
     if not isinstance(values["bitwise"], bool):
         raise ParameterError("bitwise", "True or False", values["bitwise"])
+    check_budget(values["tree"], MAX_TREE)
     return Options(**values)
 
 
@@ -183,6 +189,7 @@ FLAGS = {
     "draft_vocab": "--draft-vocab",
     "draft_vocab_counts": "--draft-vocab-counts",
     "bitwise": "--bitwise",
+    "tree": "--tree",
 }
 
 

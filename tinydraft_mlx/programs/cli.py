@@ -22,6 +22,7 @@ from ..engine.forward import PREFILL_STEP
 from ..engine.policy import AUTO, DEFAULT_K, explain, sampling_regime
 from ..engine.pruning import VocabError
 from ..engine.sampling import ParameterError
+from ..engine.trees import MAX_TREE
 from ..generation.api import stream_generate
 from ..generation.loading import (
     NO_DRAFT,
@@ -74,6 +75,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-counts", default=None, metavar="FILE",
                    help="token counts for --draft-vocab (python -m tinydraft_mlx.vocab; default: "
                         "the demo pair's)")
+    p.add_argument("--tree", default=None, metavar="N",
+                   help=f"verify a tree of at most N candidate tokens (1..{MAX_TREE}) a round "
+                        "instead of a chain of k; k is then its depth")
     p.add_argument("--bitwise", action="store_true",
                    help="every target forward carries the same number of positions: greedy "
                         "output is plain greedy decoding's bit for bit on any device (k <= 8)")
@@ -114,7 +118,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Op
     Numbers arrive as strings so that a non-number gets the same one-line message as a bad range."""
     for name, kind in [("k", int), ("max_tokens", int), ("temp", float), ("top_p", float),
                        ("top_k", int), ("min_p", float), ("seed", int), ("max_kv_size", int),
-                       ("draft_vocab", int)]:
+                       ("draft_vocab", int), ("tree", int)]:
         setattr(args, name, _number(getattr(args, name), kind))
     if args.distributed and args.prompt_cache_file is not None:
         _fail(parser, "--prompt-cache-file cannot be used with --distributed (each rank holds "
@@ -128,7 +132,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Op
         return make_options(k=args.k, max_tokens=args.max_tokens, temperature=args.temp,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, stop=args.stop, max_kv_size=args.max_kv_size,
-                            bitwise=args.bitwise)
+                            bitwise=args.bitwise, tree=args.tree)
     except ParameterError as err:
         _fail(parser, flag_message(err))
 

@@ -101,7 +101,7 @@ def message_spec(req: CountTokensRequest) -> Spec:
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       seed=req.seed, min_p=req.min_p, num_draft_tokens=req.num_draft_tokens,
-                      draft=req.draft, stream=req.stream)
+                      tree=req.tree, draft=req.draft, stream=req.stream)
     return Spec(**fields)
 
 

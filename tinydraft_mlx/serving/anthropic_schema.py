@@ -2,7 +2,7 @@
 error body, and the JSON of messages, content blocks, stream events and usage.
 
 Knows nothing about models or HTTP. Extensions beyond Anthropic's fields (as on the OpenAI
-side): requests take `num_draft_tokens`, `draft`, `seed`, `min_p`; a message carries
+side): requests take `num_draft_tokens`, `draft`, `tree`, `seed`, `min_p`; a message carries
 `tinydraft: {"token_ids", "from_draft", "speculative"}`.
 """
 
@@ -85,6 +85,7 @@ class MessagesRequest(CountTokensRequest):
     seed: int | None = None
     min_p: float | None = None
     num_draft_tokens: int | str | None = None
+    tree: int | None = None
     draft: str | None = None
 
 

@@ -38,6 +38,7 @@ from ..engine.drafters.mtp import head_of
 from ..engine.policy import DEFAULT_K
 from ..engine.rounds import unbatchable
 from ..engine.sampling import ParameterError, SamplingParams, check_int
+from ..engine.trees import MAX_TREE
 from ..generation.options import MAX_DRAFT_TOKENS, check_k, flag_message
 from ..generation.text import read_template
 from . import limits
@@ -70,6 +71,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-draft-tokens", default=DEFAULT_K, dest="k", type=_k_flag,
                    help=f"default draft tokens per round, 1..{MAX_DRAFT_TOKENS} or 'auto' "
                         f"({DEFAULT_K}); requests may set num_draft_tokens")
+    p.add_argument("--tree", type=int, default=None, metavar="N",
+                   help=f"verify candidate trees of at most N tokens (1..{MAX_TREE}) instead of "
+                        "chains, for the requests that can (a drafter, no penalties); requests "
+                        "may set tree")
     p.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
                    help="with a draft model, requests that leave out `draft` draft with it and "
                         "prompt lookup together, each round from whichever has recently given "
@@ -137,6 +142,8 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         check_int("--prompt-cache-bytes", args.prompt_cache_bytes, 0)
         check_int("--max-tokens", args.max_tokens, 1)
         check_int("--max-connections", args.max_connections, 1)
+        if args.tree is not None:
+            check_int("--tree", args.tree, 1, MAX_TREE)
         if not args.header_timeout > 0:
             raise ParameterError("--header-timeout", "> 0", args.header_timeout)
         if not args.timeout_graceful_shutdown > 0:
@@ -190,7 +197,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                     max_batch=max_batch, bitwise=args.bitwise)
     name = args.model_name or args.target or "tinydraft-demo"
     defaults = Defaults(k=args.k, draft=default_draft, max_tokens=args.max_tokens,
-                        temperature=args.temp)
+                        temperature=args.temp, tree=args.tree)
     return create_app(worker, name, defaults)
 
 

@@ -77,6 +77,7 @@ def _common(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         min_p=req.min_p, seed=req.seed, stop=req.stop, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         logit_bias=req.logit_bias, num_draft_tokens=req.num_draft_tokens, draft=req.draft,
+        tree=req.tree,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage))
 

@@ -3,9 +3,10 @@ JSON of responses, stream chunks, tool calls and usage.
 
 Knows nothing about models or HTTP. Extensions beyond OpenAI's fields (documented in docs/guide.md):
 requests take `num_draft_tokens` (int or "auto"), `draft` ("model", "prompt-lookup", "hybrid",
-"none"), `top_k`, `min_p` and `repetition_penalty`; `usage.speculative` reports acceptance; every
-choice (streamed or not) carries `tinydraft: {"token_ids": [...], "from_draft": [...]}`, which of
-its tokens were accepted draft proposals.
+"none"), `tree` (a candidate tree's node budget), `top_k`, `min_p` and `repetition_penalty`;
+`usage.speculative` reports acceptance; every choice (streamed or not) carries
+`tinydraft: {"token_ids": [...], "from_draft": [...]}`, which of its tokens were accepted draft
+proposals.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _Request(BaseModel):
     n: int | None = None
     num_draft_tokens: int | str | None = None
     draft: str | None = None
+    tree: int | None = None
     user: str | None = None
 
 

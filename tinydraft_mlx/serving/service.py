@@ -23,12 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from jinja2 import TemplateError
 
-from ..engine.drafters import MODEL, drafter_names
+from ..engine.drafters import MODEL, drafter_names, resolve_drafter
 from ..engine.drafters.lookup import NO_DRAFT
 from ..engine.drafters.mtp import MTP
 from ..engine.forward import vocab_width
 from ..engine.policy import DEFAULT_K
 from ..engine.sampling import ParameterError
+from ..generation.api import check_tree
 from ..generation.options import Options, check_k, make_options
 from ..generation.text import chat_text, prompt_ids
 from .metrics import Metrics
@@ -92,6 +93,7 @@ class Defaults:
     draft: str = MODEL
     max_tokens: int = 512
     temperature: float = 0.0
+    tree: int | None = None  # applied to the requests that can verify trees
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Spec:
     logit_bias: dict[str, float] | None = None
     num_draft_tokens: int | str | None = None
     draft: str | None = None
+    tree: int | None = None
     logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
@@ -222,9 +225,10 @@ class Service:
                 frequency_penalty=spec.frequency_penalty,
                 repetition_penalty=spec.repetition_penalty,
                 logit_bias=self._logit_bias(spec), logprobs=spec.logprobs,
-                bitwise=self.worker.bitwise)
+                bitwise=self.worker.bitwise, tree=spec.tree)
             # checked whatever the draft: a bad value is an error, never ignored
             check_k(options.k, self.worker.max_kv_size if draft != NO_DRAFT else None)
+            options = self._tree(spec, draft, options)
         except ParameterError as err:
             raise parameter_error(err, spec.fields) from None
         chat = spec.messages is not None
@@ -234,6 +238,23 @@ class Service:
         options = replace(options, max_tokens=self._max_tokens(len(ids), spec))
         return Plan(ids, draft, options, spec.stream, spec.include_usage, chat, tools, fmt,
                     forced)
+
+    def _tree(self, spec: Spec, draft: str, options: Options) -> Options:
+        """The request's tree (ParameterError where it cannot verify one), else the server's
+        default where the request can verify one (a plain request stays plain)."""
+        worker = self.worker
+        if spec.tree is None:
+            if self.defaults.tree is None:
+                return options
+            options = replace(options, tree=self.defaults.tree)
+        drafter = resolve_drafter(draft, worker.draft, worker.target)
+        try:
+            check_tree(worker.target, drafter, options, worker.max_kv_size)
+        except ParameterError:
+            if spec.tree is not None:
+                raise
+            return replace(options, tree=None)
+        return options
 
     def tools_for(self, spec: Spec) -> tuple[list[dict[str, Any]], ToolFormat | None, str]:
         """(tools shown to the model, the format its calls are parsed with, forced text)."""

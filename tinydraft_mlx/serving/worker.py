@@ -306,7 +306,8 @@ class Worker:
                                  target_cache=pc.target_cache,
                                  draft_cache=pc.draft_cache if pc.drafts_for(plan.drafter)
                                  else None,
-                                 logprobs=job.options.logprobs is not None, keep_caches=True)
+                                 logprobs=job.options.logprobs is not None, keep_caches=True,
+                                 tree=plan.options.tree)
         except Exception:
             pc.in_use = False
             raise

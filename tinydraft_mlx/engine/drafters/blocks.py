@@ -62,6 +62,11 @@ class BlockChain(HeadChain):
 
     cache_type = BlockCache
 
+    @property
+    def marginal(self) -> bool:
+        """A block's positions do not read each other's proposals, unless a selector walks it."""
+        return not self.model.selects
+
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         super().__init__(model, caches, chunk, width)
         self._logits: mx.array | None = None  # this round's proposals' logits (rows, L - 1, V)
@@ -111,8 +116,8 @@ class BlockChain(HeadChain):
                                      for r, k in zip(rows, ks)):
             return super().run(ordered)
         self._first(rows)
-        return mx.argmax(self._logits[:, : max(ks)], axis=-1).astype(mx.int32), \
-            [None] * len(rows)
+        self.logits = self._logits[:, : max(ks)]
+        return mx.argmax(self.logits, axis=-1).astype(mx.int32), [None] * len(rows)
 
     def _first(self, rows: list[Any]) -> mx.array:
         """One forward for every row: its unread states in, its block's proposals' logits out;

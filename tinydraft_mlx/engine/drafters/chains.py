@@ -44,9 +44,12 @@ class Chain:
     """A drafting model's rows in a batch. `caches`: an empty rows cache; `chunk`: the most
     tokens a catch-up feeds per forward; `width`: the target's vocabulary width."""
 
+    marginal = False  # whether its step i's logits ignore the proposals before i (a block's)
+
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         self.model, self.caches, self.chunk, self.width = model, caches, chunk, width
         self.uids: list[int] = []  # its rows, in cache row order
+        self.logits: mx.array | None = None  # the latest run's (rows, steps, Vq) step logits
 
     # -- rows in and out ---------------------------------------------------------------------
     def admit(self, row: Any, cache: Cache, budget: int | None, seen: list,
@@ -107,7 +110,10 @@ class Chain:
         keep = []
         for uid, length in zip(self.uids, self.caches.lengths):
             row, before, idle, _ = by_uid[uid]
-            keep.append(min(length, before if idle else len(row.seq) - 1))
+            end = len(row.seq) - 1
+            if getattr(row, "draft_end", None) is not None:  # a tree's walk left its chain
+                end = min(end, row.draft_end)
+            keep.append(min(length, before if idle else end))
         self.caches.rollback(keep)
 
     def _catch_up(self, rows: list[Any]) -> None:
@@ -163,15 +169,18 @@ class Chain:
                      if r.processors}
         qs: dict[int, list[mx.array]] = {j: [] for j in sampled}
         chain: list[mx.array] = []
+        steps: list[mx.array] = []  # what candidate trees read (trees.py)
         for i in range(max(ks)):
             if i:
                 logits = self._next(chain[-1])
+            steps.append(logits)
             if not sampled and not histories:
                 token = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
                 token = self._step(rows, ks, i, logits, histories, qs, keys, chain)
             mx.async_eval(token)
             chain.append(token)
+        self.logits = mx.stack(steps, axis=1)
         return mx.stack(chain, axis=1), [mx.stack(qs[j]) if j in qs else None
                                          for j in range(len(rows))]
 

@@ -37,6 +37,10 @@ class Proposals:
     chain: mx.array | None
     chain_rows: list[int | None]
     q: list[mx.array | None]
+    # a chain row's (k, Vq) step logits and whether its steps ignore each other (candidate
+    # trees read them: trees.py); None for a host row
+    logits: list[mx.array | None] | None = None
+    marginal: list[bool] | None = None
     widest: int = field(init=False)  # the widest q of the round (0: none)
 
     def __post_init__(self) -> None:
@@ -174,6 +178,8 @@ class Drafting:
             host.append(h)
         ks = [k if h is None else len(h) for h, k in zip(host, ks)]
         chain_rows: list[int | None] = [None] * len(rows)
+        logits: list[mx.array | None] = [None] * len(rows)
+        marginal = [False] * len(rows)
         parts: list[mx.array] = []
         needed = {id(r.source.model) for r, h in zip(rows, host) if h is None}
         at = 0
@@ -189,13 +195,14 @@ class Drafting:
             for j, (b, _, k) in enumerate(ordered):
                 if k:
                     chain_rows[b], q[b] = at + j, qs[j]
+                    logits[b], marginal[b] = chain.logits[j, :k], chain.marginal
             parts.append(ids)
             at += ids.shape[0]
         steps = max((p.shape[1] for p in parts), default=0)
         parts = [p if p.shape[1] == steps else mx.pad(p, [(0, 0), (0, steps - p.shape[1])])
                  for p in parts]
         chain = None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return Proposals(ks, host, chain, chain_rows, q)
+        return Proposals(ks, host, chain, chain_rows, q, logits, marginal)
 
     def commit(self, rows: list[Any], befores: list[int], proposals: Proposals,
                seen: list | None = None) -> None:

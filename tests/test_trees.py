@@ -1,0 +1,423 @@
+"""Candidate trees (engine/trees.py, engine/tree_verify.py).
+
+The parts against independent references: the best-first tree is the budget's most probable
+prefixes found by enumerating every prefix (DDTree's marginal expansion, and a chain's spine with
+its siblings); the walk on a tree written by hand; one tree forward's logits at every node ==
+the transformers fp32 oracle's logits of that node's own prefix, for two rows of different
+lengths; after the commit the target's cache == a plain prefill of the emitted sequence (mlx-lm's
+own KVCache), and a draft model's cache a prefix of it.
+
+Then trees in the engine, on the tiny Qwen3 target of conftest.py's `eagle` with each drafter
+(the draft model, 64 ids narrower; its MTP layer; an EAGLE-3 head; a DFlash block drafter):
+greedy == the oracle for budgets {4, 16, 32}, one sequence and batches of 3 and 8 (trees,
+chains and plain rows together); the sampled first two tokens' joint against the oracle's exact
+joint (chi-square, tests/reference.py's bound); a seed fixes the text; log-probabilities;
+the refusals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tinydraft_mlx.engine.trees import Tree, chain, grow
+
+NEW = 24
+
+
+# -- the tree itself -----------------------------------------------------------------------------
+def _tables(rng: random.Random, depth: int, width: int) -> tuple[list, list]:
+    ids, logprobs = [], []
+    for _ in range(depth):
+        tokens = rng.sample(range(100), width)
+        weights = [rng.random() + 1e-3 for _ in tokens]
+        total = sum(weights)
+        pairs = sorted(((math.log(w / total), t) for w, t in zip(weights, tokens)),
+                       reverse=True)
+        logprobs.append([v for v, _ in pairs])
+        ids.append([t for _, t in pairs])
+    return ids, logprobs
+
+
+def _paths(tree: Tree) -> set[tuple[int, ...]]:
+    """Every node as the tuple of tokens from the root's child down to it."""
+    return {tuple(tree.tokens[j] for j in reversed(tree.ancestors(i)[:-1]))
+            for i in range(1, len(tree))}
+
+
+def _check_shape(tree: Tree) -> None:
+    assert tree.parents[0] == -1 and tree.depths[0] == 0
+    for i in range(1, len(tree)):
+        assert tree.parents[i] < i  # parents first: the verify's layout
+        assert tree.depths[i] == tree.depths[tree.parents[i]] + 1
+    for i in range(len(tree)):  # siblings hold different tokens
+        kids = [tree.tokens[j] for j in range(len(tree)) if tree.parents[j] == i]
+        assert len(kids) == len(set(kids))
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 32])
+def test_a_block_tree_is_the_most_probable_prefixes(budget):
+    """DDTree's expansion against every prefix of the product distribution, ranked."""
+    rng = random.Random(budget)
+    for _ in range(20):
+        ids, logprobs = _tables(rng, 4, 5)
+        tree = grow(7, budget, ids, logprobs)
+        _check_shape(tree)
+        scores = {}
+        for depth in range(1, 5):
+            for ranks in itertools.product(range(5), repeat=depth):
+                path = tuple(ids[d][r] for d, r in enumerate(ranks))
+                scores[path] = sum(logprobs[d][r] for d, r in enumerate(ranks))
+        best = sorted(scores, key=scores.get, reverse=True)[:budget]
+        assert _paths(tree) == set(best)
+
+
+def _scorer(ids: list, logprobs: list):
+    """lp(depth index, token): its log-probability, or below every candidate's if it is none."""
+    def lp(d: int, token: int) -> float:
+        row = ids[d]
+        return logprobs[d][row.index(token)] if token in row else min(logprobs[d]) - 1.0
+    return lp
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 20])
+def test_a_chain_tree_is_its_spine_and_likeliest_siblings(budget):
+    """A draft model's tree: its own drafts d_1..d_K (also a draft outside the top candidates,
+    as a sampled one may be) and, under each spine node, the next depth's other candidates;
+    the budget's most probable of those, against the enumerated set."""
+    rng = random.Random(100 + budget)
+    for trial in range(20):
+        ids, logprobs = _tables(rng, 4, 5)
+        drafts = [row[rng.randrange(len(row))] for row in ids]
+        if trial % 4 == 0:
+            drafts[1] = 999  # not among the candidates
+        tree = grow(7, budget, ids, logprobs, drafts)
+        _check_shape(tree)
+        lp = _scorer(ids, logprobs)
+        scores = {}
+        for depth in range(1, 5):
+            spine = tuple(drafts[:depth])
+            scores[spine] = sum(lp(d, t) for d, t in enumerate(spine))
+            for token in ids[depth - 1]:
+                if token != drafts[depth - 1]:
+                    path = spine[:-1] + (token,)
+                    scores[path] = scores[spine] - lp(depth - 1, drafts[depth - 1]) + lp(
+                        depth - 1, token)
+        best = sorted(scores, key=scores.get, reverse=True)[:budget]
+        assert _paths(tree) == set(best)
+        spine_nodes = [i for i in tree.spine]
+        assert [tree.tokens[i] for i in spine_nodes] == drafts[: len(spine_nodes)]
+
+
+def test_the_walk_follows_the_targets_choices():
+    """root -> a(1) -> c(3); root -> b(2); a -> d(4) (nodes in that layout)."""
+    tree = Tree([9, 10, 20, 30, 40], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], spine=[1, 3])
+    assert tree.walk([10, 30, 0, 77, 0]) == ([0, 1, 3], [10, 30, 77])
+    assert tree.walk([20, 0, 55, 0, 0]) == ([0, 2], [20, 55])
+    assert tree.walk([40, 0, 0, 0, 0]) == ([0], [40])
+    assert tree.walk([10, 40, 0, 0, 5]) == ([0, 1, 4], [10, 40, 5])
+    assert tree.agreed([0, 1, 3]) == 2 and tree.agreed([0, 1, 4]) == 1
+    assert tree.agreed([0, 2]) == 0
+    straight = chain(9, [1, 2, 3])
+    assert straight.walk([1, 2, 5, 0]) == ([0, 1, 2], [1, 2, 5])
+
+
+def test_the_choices_at_each_depth_are_independent_draws_from_p():
+    """A root and its child with the same distribution p over 5 ids: over 4,000 keys the pair
+    of the target's choices follows p x p (chi-square, tests/reference.py's bound), and not a
+    draw shared between depths (the pair would always agree)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from tests.reference import chi2_statistic, chi2_threshold
+    from tinydraft_mlx import SamplingParams
+    from tinydraft_mlx.engine.tree_verify import choices
+
+    p = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = mx.array(np.log(p)[None, None].repeat(2, axis=1).astype(np.float32))
+    tree = Tree([0, 1], [-1, 0], [0, 1])
+    counts, n = Counter(), 4000
+    keys = mx.random.split(mx.random.key(5), n)
+    for i in range(n):
+        row = SimpleNamespace(sampling=SamplingParams(1.0), seq=[0], verify_key=keys[i])
+        a, b = choices([row], {0: tree}, logits)[0].tolist()
+        counts[(a, b)] += 1
+    exact = {(a, b): p[a] * p[b] for a in range(5) for b in range(5)}
+    stat, df = chi2_statistic(counts, exact, n)
+    assert stat < chi2_threshold(df), (stat, df)
+    assert sum(c for (a, b), c in counts.items() if a == b) < 0.5 * n  # sum p^2 = 0.285
+
+
+# -- one tree forward --------------------------------------------------------------------------
+def _random_tree(rng: random.Random, last: int, nodes: int, vocab: int) -> Tree:
+    tokens, parents, depths = [last], [-1], [0]
+    for i in range(1, nodes):
+        parent = rng.randrange(i)
+        tokens.append(rng.randrange(vocab))
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return Tree(tokens, parents, depths)
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_tree_logits_equal_the_oracle_along_every_branch(eagle):
+    """Two rows of different lengths in a BatchCache, trees of 12 and 7 random nodes: node i's
+    logits == the oracle's at the end of prompt + the path to i; then the compaction of a path
+    per row leaves the cache equal to a plain prefill of prompt + that path."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tinydraft_mlx.engine.cache import layer_kinds
+    from tinydraft_mlx.engine.cache.batch import BatchCache
+    from tinydraft_mlx.engine.forward import prefill
+    from tinydraft_mlx.engine.tree_verify import compact, forward, layout
+
+    _, _, (target, _, _), _, refs, oracle = eagle
+    rng = random.Random(3)
+    prompts = [refs[0][0], refs[2][0]]
+    rows = BatchCache(layer_kinds(target))
+    solo = []
+    for ids in prompts:
+        cache = make_prompt_cache(target)
+        prefill(target, cache, ids[:-1])
+        solo.append(cache)
+    rows.add(solo)
+    trees = [_random_tree(rng, prompts[0][-1], 12, 200), _random_tree(rng, prompts[1][-1], 7, 200)]
+    tokens, depths, ancestors = layout(trees)
+    logits = forward(target, rows, tokens, depths, ancestors)
+    worst = 0.0
+    for b, (ids, tree) in enumerate(zip(prompts, trees)):
+        for i in range(len(tree)):
+            path = [tree.tokens[j] for j in reversed(tree.ancestors(i)[:-1])]
+            want = oracle.logits(ids + path)[-1]
+            worst = max(worst, float(np.abs(np.array(logits[b, i]) - want).max()))
+    assert worst < 1e-4, worst
+    # the deepest node's path of each row into place
+    paths = []
+    for tree in trees:
+        deepest = max(range(len(tree)), key=lambda i: tree.depths[i])
+        paths.append(list(reversed(tree.ancestors(deepest))))
+    starts = [len(ids) - 1 for ids in prompts]
+    compact(rows.kv, starts, paths)
+    rows.rollback([s + len(p) for s, p in zip(starts, paths)])
+    for b, (ids, tree, path) in enumerate(zip(prompts, trees, paths)):
+        seq = ids + [tree.tokens[j] for j in path[1:]]
+        fresh = make_prompt_cache(target)
+        prefill(target, fresh, seq)
+        n = len(seq)
+        mine = rows.extract(b)
+        for ours, theirs in zip(mine, fresh):
+            assert ours.offset == theirs.offset == n
+            for a, c in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                assert float(mx.abs(a[..., :n, :] - c[..., :n, :]).max()) < 1e-4
+
+
+# -- trees in the engine -----------------------------------------------------------------------
+def _drafters(eagle, dflash):
+    _, _, (_, head, _), draft, _, _ = eagle
+    return {"model": (draft, 4), "mtp": ("mtp", 3), "eagle3": (head, 4), "dflash": (dflash, 7)}
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+@pytest.mark.parametrize("budget", [4, 16, 32])
+@pytest.mark.parametrize("name", ["model", "mtp", "eagle3", "dflash"])
+def test_greedy_trees_equal_the_oracle(eagle, dflash, name, budget):
+    """One sequence at a time (its own caches), then three prompts in one batch."""
+    from tinydraft_mlx import batch_generate, generate
+
+    _, _, (target, _, tok), draft, refs, _ = eagle
+    source, k = _drafters(eagle, dflash)[name]
+    model = draft if name == "model" else None
+    nodes = accepted = 0
+    for ids, ref in refs:
+        out, stats = generate(target, source if model is None else model, tok, ids, k=k,
+                              max_tokens=NEW, tree=budget)
+        assert out == ref
+        nodes, accepted = nodes + stats.drafted, accepted + stats.accepted
+        assert all(r <= budget for r in stats.k_histogram)
+    assert accepted > 0 and nodes > accepted
+    batch = batch_generate(target, source if model is None else model, tok,
+                           [ids for ids, _ in refs[:3]], k=k, max_tokens=NEW, tree=budget)
+    assert [tokens for tokens, _ in batch] == [ref for _, ref in refs[:3]]
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_eight_rows_of_trees_chains_and_plain_equal_the_oracle(eagle, dflash):
+    """B = 8 joining at once: trees of each drafter and budget beside chains and a plain row."""
+    from tests.reference import drain
+    from tinydraft_mlx import BatchDecoder
+
+    _, _, (target, head, tok), draft, refs, _ = eagle
+    rows = [(dflash, 15, 32), (dflash, 7, None), ("model", 4, 16), ("model", 3, None),
+            (head, 4, 8), ("mtp", 2, 4), (None, 1, None), ("prompt-lookup", 3, 8)]
+    decoder = BatchDecoder(target, draft)
+    want = {}
+    for j, (source, k, tree) in enumerate(rows):
+        ids, ref = refs[j % len(refs)]
+        want[decoder.insert(ids, draft=source, k=k, max_tokens=NEW, tree=tree)] = ref
+    out = drain(decoder)
+    assert all(out[uid] == ref for uid, ref in want.items())
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+@pytest.mark.parametrize("name", ["dflash", "model"])
+def test_sampled_first_two_tokens_follow_the_oracle(eagle, dflash, name):
+    """T = 1, top-p 0.8, budget 8, 2,000 rows 100 at a time, against the oracle's exact joint
+    (and not the joint without top-p)."""
+    from tests.reference import check_first_two_tokens, two_step_joint
+    from tinydraft_mlx import BatchDecoder, SamplingParams
+
+    target, oracle, ids, draft = eagle[2][0], eagle[5], eagle[4][0][0], eagle[3]
+    source, k = _drafters(eagle, dflash)[name]
+    exact = two_step_joint(oracle.logits, ids, temperature=1.0, top_p=0.8)
+    wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
+    check_first_two_tokens(lambda: BatchDecoder(target, draft), ids, source, 2000, exact,
+                           wrong, k=k, tree=8, sampling=lambda seed: SamplingParams(1.0, top_p=0.8))
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_a_seed_fixes_the_text_with_trees(eagle, dflash):
+    """Seeded rows with trees of each drafter == plain decoding with the seed, alone and
+    together in one batch with unseeded companions."""
+    from tests.reference import drain
+    from tinydraft_mlx import BatchDecoder, SamplingParams, generate
+
+    _, _, (target, _, tok), draft, refs, _ = eagle
+    kw = dict(max_tokens=NEW, temperature=0.8, top_p=0.95, seed=7)
+    ids = refs[1][0]
+    plain, _ = generate(target, None, tok, ids, **kw)
+    sources = _drafters(eagle, dflash)
+    for name, (source, k) in sources.items():
+        assert generate(target, draft if name == "model" else source, tok, ids, k=k, tree=16,
+                        **kw)[0] == plain, name
+    decoder = BatchDecoder(target, draft)
+    decoder.insert(refs[2][0], draft=dflash, k=7, max_tokens=8, sampling=SamplingParams(0.7),
+                   tree=8)
+    uids = [decoder.insert(ids, draft=source, k=k, max_tokens=NEW, tree=16,
+                           sampling=SamplingParams(0.8, top_p=0.95, seed=7))
+            for source, k in sources.values()]
+    out = drain(decoder)
+    assert all(out[uid] == plain for uid in uids)
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_the_caches_after_tree_rounds_hold_the_emitted_sequence(eagle):
+    """Eight seeded rows at T = 1 (trees accepted in part), a draft model drafting, each row's
+    caches kept: the target's == a plain prefill of its sequence, the draft model's == a plain
+    prefill of the prefix it holds, which is the sequence's (nothing of a rejected branch)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tinydraft_mlx import BatchDecoder, SamplingParams
+    from tinydraft_mlx.engine.forward import prefill
+
+    _, _, (target, _, _), draft, refs, _ = eagle
+    decoder = BatchDecoder(target, draft)
+    ids = refs[0][0]
+    uids = [decoder.insert(ids, draft="model", k=4, max_tokens=NEW, keep_caches=True, tree=12,
+                           sampling=SamplingParams(1.0, seed=seed)) for seed in range(8)]
+    while not all(uid in decoder.finished for uid in uids):
+        decoder.step()
+    left = 0
+    for uid in uids:
+        done = decoder.finished[uid]
+        seq = ids + done.tokens
+        left += done.stats.accepted > 0 and any(n for n in done.stats.accepted_length_counts)
+        for model, cache in ((target, done.target_cache), (draft, done.draft_cache)):
+            n = cache[0].offset
+            assert n <= len(seq) - 1 and (model is draft or n == len(seq) - 1)
+            fresh = make_prompt_cache(model)
+            prefill(model, fresh, seq[:n])
+            for ours, theirs in zip(cache, fresh):
+                for a, c in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                    assert float(mx.abs(a[..., :n, :] - c[..., :n, :]).max()) < 1e-4
+    assert left > 0
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_logprobs_of_a_tree_are_plain_decodings(eagle, dflash):
+    from tinydraft_mlx import stream_generate
+
+    _, _, (target, _, tok), _, refs, _ = eagle
+    ids = refs[0][0]
+    plain = list(stream_generate(target, None, tok, ids, max_tokens=12))
+    tree = list(stream_generate(target, dflash, tok, ids, k=7, max_tokens=12, tree=16))
+    assert [r.token for r in tree] == [r.token for r in plain]
+    assert any(r.from_draft for r in tree)
+    for a, b in zip(plain, tree):
+        assert float(mx.abs(a.logprobs - b.logprobs).max()) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def hybrid_target(tmp_path_factory):
+    """A Qwen3.5-shaped hybrid target (Gated DeltaNet and attention layers) and its tokenizer."""
+    from tests.fixtures import build_hybrid_pair
+    from tinydraft_mlx import load_models
+
+    target_dir, _ = build_hybrid_pair(tmp_path_factory.mktemp("hybrid"), "qwen3_5")
+    target, _, tok = load_models(str(target_dir), dtype="float32")
+    return target, tok
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_refusals_are_one_line(eagle, hybrid_target):
+    from tinydraft_mlx import generate
+    from tinydraft_mlx.engine.sampling import ParameterError
+
+    _, _, (target, _, tok), draft, refs, _ = eagle
+    ids = refs[0][0]
+    cases = [
+        (dict(tree=0), "tree must be None or an integer node budget in [1, 64] (got 0)"),
+        (dict(tree=65), "(got 65)"),
+        (dict(tree=True), "(got True)"),
+        (dict(tree=4, repetition_penalty=1.1), "None with logits processors or penalties"),
+        (dict(tree=4, max_kv_size=64), "None with bounded, sliding-window or recurrent"),
+        (dict(tree=4, k=2, bitwise=True), "None with bitwise"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(ParameterError) as err:
+            generate(target, draft, tok, ids, max_tokens=4, **kwargs)
+        assert words in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ParameterError, match="None without a drafter"):
+        generate(target, None, tok, ids, max_tokens=4, tree=4)
+    hybrid, hybrid_tok = hybrid_target
+    with pytest.raises(ParameterError, match="recurrent layers"):
+        generate(hybrid, "prompt-lookup", hybrid_tok, [1, 2, 3], max_tokens=4, tree=4)
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_the_server_verifies_trees_by_default_and_per_request(eagle, tmp_path):
+    """`--tree 16` with a DFlash drafter: requests that leave `tree` out get the default, a
+    request may set its own; a plain request and one with a penalty still run (the default
+    applies where it can); a tree the request cannot have is a 400 naming `tree`. Greedy ==
+    the oracle throughout."""
+    import httpx
+
+    from tests.fixtures import write_dflash
+    from tests.test_server import Served
+    from tinydraft_mlx.server import build_app, setup_arg_parser
+
+    out = write_dflash(eagle[0], tmp_path / "d", steps=1)
+    ids, ref = eagle[4][0]
+    app = build_app(setup_arg_parser().parse_args(
+        ["--target", str(eagle[0]), "--draft", str(out), "-k", "7", "--tree", "16"]))
+    served = Served(app)
+    try:
+        for body in ({}, {"tree": 4}, {"draft": "none"}, {"repetition_penalty": 1.0}):
+            r = httpx.post(served.url + "/v1/completions", timeout=60, json={
+                "prompt": ids, "max_tokens": NEW, "temperature": 0, **body})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["tinydraft"]["token_ids"] == ref
+        for body, words in (({"draft": "none", "tree": 4}, "None without a drafter"),
+                            ({"tree": 0}, "[1, 64]"),
+                            ({"tree": 4, "repetition_penalty": 1.1}, "logits processors")):
+            r = httpx.post(served.url + "/v1/completions", timeout=60, json={
+                "prompt": ids, "max_tokens": 4, **body})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "tree" and words in error["message"], error
+    finally:
+        served.close()

@@ -1,0 +1,234 @@
+"""A round's verify when rows carry candidate trees (trees.py): every row's nodes in one target
+forward, the target's choice at every node, and the commit of the walked path into the caches.
+
+The forward: row b's nodes are its positions in layout order (right-padded to the widest row;
+a chain row's layout is its chain), written at slots length_b, length_b + 1, ... as any
+verify's; each node attends to the row's cache and to its own ancestors (a (B, 1, L, slots)
+mask that each layer's cache hands mlx-lm's attention through `make_mask`) and sits at position
+length_b + depth (RoPE: the model's rope modules are given each node's position for the one
+forward). Padding nodes attend as a chain's would; they are never read.
+
+The choices: greedy argmax; an unseeded sampled row draws at every node from its warped p with
+Gumbel noise drawn from its round's key per depth (a walk visits one node per depth, so its
+draws are independent); a seeded row uses its (seed, position) noise, as plain decoding does
+(`seeded.py`). A row with logits processors is refused at insert (their history differs per
+branch).
+
+The commit: the walked path's keys/values move to the row's contiguous slots (length_b + j <-
+length_b + path[j]), the caller then rolls the row back to the path; the target states a head
+reads are gathered in path order, so a drafter's commit sees the accepted positions first, as
+after a chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .sampling import ParameterError, seeded, warp
+from .trees import BRANCH, Tree, chain, grow
+
+
+def rope_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that own a `rope` (its attention layers)."""
+    return [m for _, m in model.named_modules() if isinstance(getattr(m, "rope", None),
+                                                                 nn.Module)]
+
+
+class _Positioned(nn.Module):
+    """A rope module that places each query/key at its own position (B, L) for one forward."""
+
+    def __init__(self, rope: nn.Module, positions: mx.array) -> None:
+        super().__init__()
+        self.inner, self.positions = rope, positions
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        b, h, n, d = x.shape
+        flat = x.transpose(0, 2, 1, 3).reshape(b * n, h, 1, d)
+        out = self.inner(flat, offset=self.positions.reshape(-1))
+        return out.reshape(b, n, h, d).transpose(0, 2, 1, 3)
+
+
+@contextmanager
+def _placed(model: nn.Module, positions: mx.array) -> Iterator[None]:
+    owners = rope_modules(model)
+    ropes = [m.rope for m in owners]
+    try:
+        for owner, rope in zip(owners, ropes):
+            owner.rope = _Positioned(rope, positions)
+        yield
+    finally:
+        for owner, rope in zip(owners, ropes):
+            owner.rope = rope
+
+
+class _Masked:
+    """A cache layer as attention sees it during a tree forward: the layer's own writes, the
+    tree's mask."""
+
+    def __init__(self, layer: Any, mask: mx.array) -> None:
+        self.layer, self.mask = layer, mask
+
+    @property
+    def offset(self) -> Any:
+        return self.layer.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.layer.update_and_fetch(keys, values)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return self.mask
+
+
+def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
+    """Every row's tree for this round (a chain where the row asks for none, or its drafter
+    gives no logits: a host proposal), from the proposals' step logits: the top candidates of
+    each depth read in one transfer with the chain's ids."""
+    grown = [b for b, r in enumerate(rows) if r.tree and r.round_k and proposals.logits
+             and proposals.logits[b] is not None]
+    tops = {}
+    for b in grown:
+        logits = proposals.logits[b].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        m = min(BRANCH, rows[b].tree, logprobs.shape[-1])
+        ids = mx.argpartition(-logprobs, m - 1, axis=-1)[:, :m]
+        tops[b] = (ids, mx.take_along_axis(logprobs, ids, axis=-1))
+    mx.eval(list(tops.values()))
+    drafted = proposals.values()
+    out = []
+    for b, row in enumerate(rows):
+        drafts = drafted[b][: row.round_k]
+        if b not in tops:
+            out.append(chain(row.seq[-1], drafts))
+            continue
+        ids, values = (a.tolist() for a in tops[b])
+        ranked = [sorted(((v, i) for v, i in zip(vs, js) if v > -float("inf")), reverse=True)
+                  for vs, js in zip(values, ids)]
+        out.append(grow(row.seq[-1], row.tree, [[i for _, i in r] for r in ranked],
+                        [[v for v, _ in r] for r in ranked],
+                        None if proposals.marginal[b] else drafts))
+    return out
+
+
+def layout(trees: list[Tree]) -> tuple[mx.array, mx.array, mx.array]:
+    """(tokens (B, L) int32, depths (B, L) int32, ancestors (B, L, L) bool) of the rows' trees,
+    right-padded to the widest (padding continues as a chain)."""
+    width = max(len(t) for t in trees)
+    tokens, depths, anc = [], [], []
+    for tree in trees:
+        n = len(tree)
+        tokens.append(tree.tokens + [0] * (width - n))
+        depths.append(tree.depths + [tree.depths[-1] + 1 + i for i in range(width - n)])
+        rows = []
+        for i in range(width):
+            seen = set(tree.ancestors(i)) if i < n else set(range(i + 1))
+            rows.append([j in seen for j in range(width)])
+        anc.append(rows)
+    return (mx.array(tokens, dtype=mx.int32), mx.array(depths, dtype=mx.int32),
+            mx.array(anc, dtype=mx.bool_))
+
+
+def forward(model: nn.Module, rows: Any, tokens: mx.array, depths: mx.array,
+            ancestors: mx.array, **inputs: Any) -> mx.array:
+    """(B, L) node ids -> (B, L, V) logits, each row's nodes as the module docstring says;
+    `rows`: a `BatchCache` or a `SingleCache` (every row advances by L, as any verify)."""
+    n = tokens.shape[1]
+    lengths = mx.array(rows.lengths, dtype=mx.int32)
+    if hasattr(rows, "reserve"):
+        rows.reserve(n)
+    read = max(rows.lengths) + n  # the slots attention reads (written ones and the new nodes)
+    rel = mx.arange(read, dtype=mx.int32)[None] - lengths[:, None]  # (B, S) slot - length
+    inside = (rel >= 0) & (rel < n)
+    tree = mx.take_along_axis(ancestors, mx.clip(rel, 0, n - 1)[:, None, :], axis=2)
+    mask = ((rel < 0)[:, None, :] | (inside[:, None, :] & tree))[:, None]  # (B, 1, L, S)
+    layers = [_Masked(layer, mask) for layer in rows.layers]
+    with _placed(model, lengths[:, None] + depths):
+        logits = model(tokens, cache=layers, **inputs)
+    if hasattr(rows, "advance"):
+        rows.advance(n)
+    return logits
+
+
+def choices(rows: list[Any], trees: dict[int, Tree], logits: mx.array) -> dict[int, mx.array]:
+    """Batch index -> (nodes,) the target's choice at each node of that row's tree (lazy): see
+    the module docstring. `rows` carry `sampling`, `seq` and `verify_key`."""
+    out = {}
+    for b, tree in trees.items():
+        row, n = rows[b], len(tree)
+        x = logits[b, :n]
+        if row.sampling.greedy:
+            out[b] = mx.argmax(x, axis=-1).astype(mx.int32)
+            continue
+        p = warp(x, row.sampling)
+        depths = mx.array(tree.depths, dtype=mx.int32)
+        top = max(tree.depths) + 1
+        if row.sampling.seed is not None:
+            noise = seeded.noise(row.sampling.seed, len(row.seq), top, p.shape[-1])
+        else:
+            noise = mx.random.gumbel((top, p.shape[-1]), key=row.verify_key)
+        scores = mx.where(p > 0, mx.log(mx.maximum(p, 1e-38)) + noise[depths], -mx.inf)
+        out[b] = mx.argmax(scores, axis=-1).astype(mx.int32)
+    return out
+
+
+def compact(layers: Any, starts: list[int], paths: list[list[int]]) -> None:
+    """Move each row's walked path to its contiguous slots: slot starts[b] + j takes slot
+    starts[b] + paths[b][j] in every layer (`layers`: the rows cache's full-attention layers,
+    whose `keys` / `values` are (B, heads, slots, dim))."""
+    if all(p == list(range(len(p))) for p in paths):
+        return
+    width = max(len(p) for p in paths)
+    src = mx.array([[s + (p[j] if j < len(p) else 0) for j in range(width)]
+                    for s, p in zip(starts, paths)], dtype=mx.int32)[:, None, :, None]
+    dst = mx.array([[s + (j if j < len(p) else 0) for j in range(width)]
+                    for s, p in zip(starts, paths)], dtype=mx.int32)[:, None, :, None]
+    for layer in layers:
+        for name in ("keys", "values"):
+            buffer = getattr(layer, name)
+            moved = mx.take_along_axis(buffer, src, axis=2)
+            setattr(layer, name, mx.put_along_axis(buffer, dst, moved, axis=2))
+
+
+def in_path_order(seen: list, paths: list[list[int]]) -> list:
+    """The verify's captured (B, L, D) states with each row's positions reordered: its path
+    first (the rest after it, unread)."""
+    out = []
+    for tag, state in seen:
+        if state.ndim == 3 and state.shape[0] == len(paths):
+            width = state.shape[1]
+            order = mx.array([p + [i for i in range(width) if i not in set(p)] for p in paths],
+                             dtype=mx.int32)
+            state = mx.take_along_axis(state, order[:, :, None], axis=1)
+        out.append((tag, state))
+    return out
+
+
+def refusal(model: nn.Module, source: Any, processors: Any, bitwise: bool,
+            limited: bool) -> str | None:
+    """Why a row with this drafter and these processors cannot verify trees on `model` (None:
+    it can). `limited`: the batch holds bounded, sliding-window or recurrent layers, or a
+    tensor-parallel target."""
+    if not source.drafts:
+        return "None without a drafter (a tree holds its proposals)"
+    if processors:
+        return "None with logits processors or penalties (their history differs per branch)"
+    if bitwise:
+        return "None with bitwise"
+    if limited:
+        return ("None with bounded, sliding-window or recurrent layers or a tensor-parallel "
+                "target (a tree is verified on full-attention caches)")
+    if not rope_modules(model):
+        return "None with this target (it has no rope module to place tree positions)"
+    return None
+
+
+def check_budget(tree: object, top: int) -> None:
+    """ParameterError unless `tree` is None or an int in [1, top]."""
+    if tree is None:
+        return
+    if isinstance(tree, bool) or not isinstance(tree, int) or not 1 <= tree <= top:
+        raise ParameterError("tree", f"None or an integer node budget in [1, {top}]", tree)
