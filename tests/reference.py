@@ -165,12 +165,14 @@ def insert_from(decoder, cache, ids: list[int], **kwargs) -> int:
 
 def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, companions,
                                prompts: list[list[int]], exact: dict, wrong: dict,
-                               batches: int = 30, rows: int = 40, every: int = 20) -> None:
+                               batches: int = 30, rows: int = 40, every: int = 20,
+                               **insert) -> None:
     """Sample the first two tokens after `ids` in `batches` x `rows` rows drafting with `draft`
-    (k = 2, `sampling`), inside batches from `make_decoder()` that a companion (sampling, draft,
-    k), on prompts[j // every], joins every `every` rows; assert that the accept and the
-    resample path both occurred, that the chi-square against the exact joint is below the
-    suite's threshold and against the wrong joint above it."""
+    (k = 2, `sampling`, `insert`: more arguments of those rows), inside batches from
+    `make_decoder()` that a companion (sampling, draft, k), on prompts[j // every], joins every
+    `every` rows; assert that the accept and the resample path both occurred, that the
+    chi-square against the exact joint is below the suite's threshold and against the wrong
+    joint above it."""
     from collections import Counter
 
     counts, paths = Counter(), Counter()
@@ -180,7 +182,7 @@ def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, co
         uids = []
         for j in range(rows):
             uids.append(insert_from(decoder, cache, ids, draft=draft, k=2, max_tokens=3,
-                                    sampling=sampling))
+                                    sampling=sampling, **insert))
             if j % every == 0:
                 s, kind, k = companions[(batch + j // every) % len(companions)]
                 decoder.insert(prompts[j // every], draft=kind, k=k, max_tokens=4 + j // 8,
@@ -213,3 +215,23 @@ def seeded_row_in_a_batch(target, draft, tok, refs, drafter, companions) -> None
                          sampling=SamplingParams(0.8, top_p=0.9, seed=11))
     decoder.insert(refs[3][0], draft=companions[1], k=4, max_tokens=20)
     assert drain(decoder)[uid] == alone
+
+
+def assert_block_context(drafter, oracle, seq: list[int], kept) -> None:
+    """A block drafter's kept cache (`kept`, a row's BlockCache) holds, once its unread states
+    are absorbed, the drafter's keys/values of the transformers oracle's states of seq[:-1],
+    written in one go (to 1e-4)."""
+    import torch
+
+    with torch.no_grad():
+        run = oracle.model(torch.tensor([seq[:-1]]), output_hidden_states=True)
+    states = np.concatenate([run.hidden_states[j + 1][0].numpy() for j in drafter.after], -1)
+    fresh = drafter.make_cache()
+    drafter.absorb(mx.array(states)[None], fresh)
+    if kept.states:
+        drafter.absorb(mx.concatenate(kept.states)[None], kept)
+    for ours, theirs in zip(kept, fresh):
+        assert ours.offset == theirs.offset == len(seq) - 1
+        n = ours.offset
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert float(mx.abs(a[..., :n, :] - b[..., :n, :]).max()) < 1e-4

@@ -112,6 +112,17 @@ def test_a_chain_tree_is_its_spine_and_likeliest_siblings(budget):
         assert _paths(tree) == set(best)
         spine_nodes = [i for i in tree.spine]
         assert [tree.tokens[i] for i in spine_nodes] == drafts[: len(spine_nodes)]
+        # a spine tested by rejection is taken whole first, whatever its drafts' scores: which
+        # drafts the tree holds may not depend on what they are
+        assert not tree.tested
+        first = grow(7, budget, ids, logprobs, drafts, tested=True)
+        _check_shape(first)
+        held = min(budget, 4)
+        assert first.spine == list(range(1, held + 1)) and first.tested
+        assert [first.tokens[i] for i in first.spine] == drafts[:held]
+        rest = {p for p in _paths(first) if p != tuple(drafts[: len(p)])}
+        siblings = {p for p in scores if p != tuple(drafts[: len(p)])}
+        assert rest == set(sorted(siblings, key=scores.get, reverse=True)[: budget - held])
 
 
 def test_the_walk_follows_the_targets_choices():
@@ -151,6 +162,25 @@ def test_the_choices_at_each_depth_are_independent_draws_from_p():
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_threshold(df), (stat, df)
     assert sum(c for (a, b), c in counts.items() if a == b) < 0.5 * n  # sum p^2 = 0.285
+
+
+def test_prompt_lookup_offers_its_latest_continuations_as_a_trie():
+    """The n-gram index keeps the latest continuations of each n-gram; merged, the shared
+    prefix is one branch, and the budget cuts the later continuations."""
+    from tinydraft_mlx.engine.drafters.lookup import NgramIndex
+    from tinydraft_mlx.engine.trees import trie
+
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 7, 9, 1, 2]
+    index = NgramIndex(seq, 2, 3)
+    assert index.propose(3) == [7, 9, 1]  # the latest continuation of (9, 1, 2)
+    found = index.continuations(3, 8)
+    assert found == [[7, 9, 1], [3, 5, 9], [3, 4, 9]]
+    tree = trie(2, found, 7)
+    assert _paths(tree) == {(7,), (7, 9), (7, 9, 1), (3,), (3, 5), (3, 5, 9), (3, 4)}
+    assert [tree.tokens[i] for i in tree.spine] == [7, 9, 1]
+    _check_shape(tree)
+    assert _paths(trie(2, found, 8)) == _paths(tree) | {(3, 4, 9)}
+    assert len(trie(2, found, 4)) == 5
 
 
 # -- one tree forward --------------------------------------------------------------------------
@@ -246,6 +276,25 @@ def test_greedy_trees_equal_the_oracle(eagle, dflash, name, budget):
 
 
 @pytest.mark.usefixtures("cpu_fp32")
+def test_prompt_lookup_trees_equal_the_oracle(demo, demo_oracle):
+    """A prompt that repeats with different continuations: prompt lookup's tree (budget 16)
+    verifies several of them a round; greedy == the oracle, alone and two in a batch."""
+    from tinydraft_mlx import batch_generate, generate
+
+    target, _, tok = demo
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(6)) + "def f"
+    plain, margin = demo_oracle.greedy(tok.encode(text), 40)
+    assert margin > 1e-4  # no near-tie on the path
+    chain, chained = generate(target, "prompt-lookup", tok, text, k=6, max_tokens=40)
+    tree, grown = generate(target, "prompt-lookup", tok, text, k=6, max_tokens=40, tree=16)
+    assert chain == tree == plain
+    assert grown.drafted > chained.drafted and grown.accepted > 0
+    both = batch_generate(target, "prompt-lookup", tok, [text, text], k=6, max_tokens=40,
+                          tree=16)
+    assert all(ids == plain for ids, _ in both)
+
+
+@pytest.mark.usefixtures("cpu_fp32")
 def test_eight_rows_of_trees_chains_and_plain_equal_the_oracle(eagle, dflash):
     """B = 8 joining at once: trees of each drafter and budget beside chains and a plain row."""
     from tests.reference import drain
@@ -277,6 +326,26 @@ def test_sampled_first_two_tokens_follow_the_oracle(eagle, dflash, name):
     wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
     check_first_two_tokens(lambda: BatchDecoder(target, draft), ids, source, 2000, exact,
                            wrong, k=k, tree=8, sampling=lambda seed: SamplingParams(1.0, top_p=0.8))
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_sampled_first_two_tokens_inside_mixed_batches(eagle, dflash):
+    """Draft-model tree rows (T = 1, top-p 0.8, k = 2, budget 6: a spine tested by rejection
+    and its siblings) in batches that DFlash trees, seeded, greedy and chain rows join: 1,200
+    rows against the oracle's exact joint."""
+    from tests.reference import check_first_two_in_batches, two_step_joint
+    from tinydraft_mlx import BatchDecoder, SamplingParams
+
+    _, _, (target, head, _), draft, refs, oracle = eagle
+    ids = refs[2][0]
+    exact = two_step_joint(oracle.logits, ids, temperature=1.0, top_p=0.8)
+    wrong = two_step_joint(oracle.logits, ids, temperature=1.0)
+    companions = [(SamplingParams(), dflash, 7), (SamplingParams(0.7, seed=5), "model", 3),
+                  (SamplingParams(0.9), head, 2)]
+    check_first_two_in_batches(lambda: BatchDecoder(target, draft), ids, "model",
+                               SamplingParams(1.0, top_p=0.8), companions,
+                               [refs[0][0], refs[1][0]], exact, wrong, batches=12, rows=100,
+                               every=50, tree=6)
 
 
 @pytest.mark.usefixtures("cpu_fp32")
@@ -335,6 +404,31 @@ def test_the_caches_after_tree_rounds_hold_the_emitted_sequence(eagle):
                 for a, c in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
                     assert float(mx.abs(a[..., :n, :] - c[..., :n, :]).max()) < 1e-4
     assert left > 0
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_a_block_drafters_context_after_tree_rounds_holds_the_oracle_states(eagle, dflash):
+    """Eight seeded rows at T = 1 with DFlash trees (budget 12), caches kept: each row's drafter
+    cache == the drafter's keys/values of the transformers oracle's states of its final
+    sequence (the states of a walked path off the first branch included; nothing of the other
+    branches)."""
+    from tests.reference import assert_block_context
+    from tinydraft_mlx import BatchDecoder, SamplingParams
+
+    _, _, (target, _, _), _, refs, oracle = eagle
+    decoder = BatchDecoder(target, dflash)
+    ids, _ = refs[0]
+    uids = [decoder.insert(ids, draft=dflash, k=7, max_tokens=NEW, keep_caches=True, tree=12,
+                           sampling=SamplingParams(1.0, seed=seed)) for seed in range(8)]
+    while not all(uid in decoder.finished for uid in uids):
+        decoder.step()
+    accepted = 0
+    for uid in uids:
+        done = decoder.finished[uid]
+        seq = ids + done.tokens
+        accepted += done.stats.accepted
+        assert_block_context(dflash, oracle, seq, done.draft_cache)
+    assert accepted > 0
 
 
 @pytest.mark.usefixtures("cpu_fp32")
@@ -406,11 +500,17 @@ def test_the_server_verifies_trees_by_default_and_per_request(eagle, tmp_path):
         ["--target", str(eagle[0]), "--draft", str(out), "-k", "7", "--tree", "16"]))
     served = Served(app)
     try:
-        for body in ({}, {"tree": 4}, {"draft": "none"}, {"repetition_penalty": 1.0}):
+        booked = np.zeros(2)
+        for body, tree in (({}, 16), ({"tree": 4}, 4), ({"draft": "none"}, None),
+                           ({"repetition_penalty": 1.0}, None)):
             r = httpx.post(served.url + "/v1/completions", timeout=60, json={
                 "prompt": ids, "max_tokens": NEW, "temperature": 0, **body})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["tinydraft"]["token_ids"] == ref
+            usage = r.json()["usage"]["speculative"]
+            assert usage["tree"] == tree
+            if tree:
+                booked += [usage["drafted"], usage["accepted"]]
         for body, words in (({"draft": "none", "tree": 4}, "None without a drafter"),
                             ({"tree": 0}, "[1, 64]"),
                             ({"tree": 4, "repetition_penalty": 1.1}, "logits processors")):
@@ -419,5 +519,30 @@ def test_the_server_verifies_trees_by_default_and_per_request(eagle, tmp_path):
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] == "tree" and words in error["message"], error
+        metrics = httpx.get(served.url + "/metrics", timeout=10).text
+        nodes, accepted = (float(next(line.split()[-1] for line in metrics.splitlines()
+                                      if line.startswith(f'{name}_total{{draft="dflash"}}')))
+                           for name in ("tinydraft_tree_nodes", "tinydraft_tree_accepted_nodes"))
+        assert (nodes, accepted) == tuple(booked) and nodes > 0
     finally:
         served.close()
+
+
+@pytest.mark.usefixtures("cpu_fp32")
+def test_a_prompt_cache_carries_a_conversation_with_trees(eagle, dflash):
+    """Two turns on one PromptCache with a DFlash tree: the second reuses the first's caches
+    (cached tokens) and both equal the oracle's greedy continuation."""
+    from tinydraft_mlx import PromptCache, generate
+
+    _, _, (target, _, tok), _, refs, oracle = eagle
+    ids, ref = refs[1]
+    cache = PromptCache(target, dflash)
+    first, _ = generate(target, dflash, tok, ids, k=7, tree=16, max_tokens=8,
+                        prompt_cache=cache)
+    assert first == ref[:8]
+    turn = ids + first + [5, 6]
+    want, _ = oracle.greedy(turn, 10)
+    second, stats = generate(target, dflash, tok, turn, k=7, tree=16, max_tokens=10,
+                             prompt_cache=cache)
+    assert stats.cached_tokens >= len(ids) + 7
+    assert second == want

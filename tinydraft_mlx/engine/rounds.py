@@ -490,7 +490,7 @@ class BatchDecoder:
         finally:
             for row, k in zip(self.rows, ks):
                 row.round_k = k
-        for b, chosen in choices(self.rows, grown, logits).items():
+        for b, chosen in choices(self.rows, grown, logits, proposals).items():
             results[b], kept[b] = chosen, logits[b : b + 1] if self.rows[b].logprobs else None
             self.rows[b].shape = grown[b]
         return results, kept, seen if reads else None
@@ -519,7 +519,9 @@ class BatchDecoder:
             k = row.round_k
             values, at = flat[at : at + size], at + size
             if row.shape is not None:  # a tree: its walk (trees.py)
-                path, tokens = row.shape.walk(values)
+                nodes, tests = len(row.shape), (len(values) - len(row.shape)) // 2
+                path, tokens = row.shape.walk(values[:nodes], *(
+                    [values[nodes : nodes + tests], values[nodes + tests :]] if tests else []))
                 n, k = len(path) - 1, len(row.shape) - 1
                 row.draft_end = len(row.seq) + row.shape.agreed(path)
                 logits = None if logits is None else logits[:, path]

@@ -30,7 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .sampling import ParameterError, seeded, warp
-from .trees import BRANCH, Tree, chain, grow
+from .sampling.rejection import rejection_steps
+from .trees import BRANCH, Tree, chain, grow, trie
 
 
 def rope_modules(model: nn.Module) -> list[nn.Module]:
@@ -85,9 +86,9 @@ class _Masked:
 
 
 def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
-    """Every row's tree for this round (a chain where the row asks for none, or its drafter
-    gives no logits: a host proposal), from the proposals' step logits: the top candidates of
-    each depth read in one transfer with the chain's ids."""
+    """Every row's tree for this round, from the proposals' step logits (the top candidates of
+    each depth, read in one transfer with the chain's ids), or a host drafter's continuations
+    (`Source.host_tree`); a chain where the row asks for none or its drafter gives neither."""
     grown = [b for b, r in enumerate(rows) if r.tree and r.round_k and proposals.logits
              and proposals.logits[b] is not None]
     tops = {}
@@ -103,14 +104,21 @@ def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
     for b, row in enumerate(rows):
         drafts = drafted[b][: row.round_k]
         if b not in tops:
-            out.append(chain(row.seq[-1], drafts))
+            host = getattr(row.source, "host_tree", None)  # a plug-in may predate it
+            branches = (host(row.round_k, row.tree) if row.tree and row.round_k and host
+                        and proposals.chain_rows[b] is None else [])
+            out.append(trie(row.seq[-1], branches, row.tree) if branches
+                       else chain(row.seq[-1], drafts))
             continue
         ids, values = (a.tolist() for a in tops[b])
         ranked = [sorted(((v, i) for v, i in zip(vs, js) if v > -float("inf")), reverse=True)
                   for vs, js in zip(values, ids)]
+        # an unseeded sampled spine is tested by rejection (`choices`): taken whole first
+        tested = not row.sampling.greedy and row.sampling.seed is None and \
+            proposals.q[b] is not None
         out.append(grow(row.seq[-1], row.tree, [[i for _, i in r] for r in ranked],
                         [[v for v, _ in r] for r in ranked],
-                        None if proposals.marginal[b] else drafts))
+                        None if proposals.marginal[b] else drafts, tested=tested))
     return out
 
 
@@ -153,9 +161,13 @@ def forward(model: nn.Module, rows: Any, tokens: mx.array, depths: mx.array,
     return logits
 
 
-def choices(rows: list[Any], trees: dict[int, Tree], logits: mx.array) -> dict[int, mx.array]:
+def choices(rows: list[Any], trees: dict[int, Tree], logits: mx.array,
+            proposals: Any = None) -> dict[int, mx.array]:
     """Batch index -> (nodes,) the target's choice at each node of that row's tree (lazy): see
-    the module docstring. `rows` carry `sampling`, `seq` and `verify_key`."""
+    the module docstring; for a tree whose spine is `tested` (drawn from the q in
+    `proposals.q`), then each spine draft's rejection test and residual draw
+    (`rejection_steps`: what `Tree.walk` reads after the choices). `rows` carry `sampling`,
+    `seq` and `verify_key`."""
     out = {}
     for b, tree in trees.items():
         row, n = rows[b], len(tree)
@@ -166,12 +178,21 @@ def choices(rows: list[Any], trees: dict[int, Tree], logits: mx.array) -> dict[i
         p = warp(x, row.sampling)
         depths = mx.array(tree.depths, dtype=mx.int32)
         top = max(tree.depths) + 1
+        spine = tree.spine if tree.tested else []
         if row.sampling.seed is not None:
             noise = seeded.noise(row.sampling.seed, len(row.seq), top, p.shape[-1])
         else:
-            noise = mx.random.gumbel((top, p.shape[-1]), key=row.verify_key)
+            key, spine_key = mx.random.split(row.verify_key)
+            noise = mx.random.gumbel((top, p.shape[-1]), key=key)
         scores = mx.where(p > 0, mx.log(mx.maximum(p, 1e-38)) + noise[depths], -mx.inf)
         out[b] = mx.argmax(scores, axis=-1).astype(mx.int32)
+        if spine:  # the spine's tests at its parents' distributions
+            parents = mx.array([0] + spine[:-1], dtype=mx.int32)
+            q = proposals.q_of(b, p.shape[-1])[: len(spine)]
+            drafts = mx.array([tree.tokens[i] for i in spine], dtype=mx.int32)
+            accepted, residual = rejection_steps(p[parents][None], q[None], drafts[None],
+                                                 spine_key)
+            out[b] = mx.concatenate([out[b], accepted[0].astype(mx.int32), residual[0]])
     return out
 
 

@@ -3,9 +3,10 @@ the app's own (two apps in one process never share counters).
 
 Requests by endpoint and outcome (completed, cancelled, failed, rejected: refused before they ran,
 4xx or 503), prompt and generated tokens, time to first token and inter-token latency, tokens
-drafted and accepted and the acceptance rate per draft kind, prompt-cache hits and the tokens they
-saved; gauges read from the worker when scraped: waiting requests, the batch, the prompt cache's
-entries and bytes.
+drafted and accepted and the acceptance rate per draft kind (a candidate tree's nodes count as
+drafted, those on its accepted path as accepted; the tree nodes also apart), prompt-cache hits
+and the tokens they saved; gauges read from the worker when scraped: waiting requests, the
+batch, the prompt cache's entries and bytes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ class Metrics:
         self.accepted = Counter("tinydraft_accepted_tokens",
                                 "Draft tokens the target accepted, by draft kind", ["draft"],
                                 registry=r)
+        self.tree_nodes = Counter("tinydraft_tree_nodes",
+                                  "Candidate tree nodes verified, by draft kind", ["draft"],
+                                  registry=r)
+        self.tree_accepted = Counter("tinydraft_tree_accepted_nodes",
+                                     "Candidate tree nodes on accepted paths, by draft kind",
+                                     ["draft"], registry=r)
         self.acceptance = Gauge("tinydraft_acceptance_rate",
                                 "Accepted / drafted tokens so far, by draft kind", ["draft"],
                                 registry=r)
@@ -95,6 +102,9 @@ class Metrics:
             sums[0] += stats.drafted
             sums[1] += stats.accepted
             self.acceptance.labels(draft).set(sums[1] / sums[0])
+        if stats.drafted and stats.tree:
+            self.tree_nodes.labels(draft).inc(stats.drafted)
+            self.tree_accepted.labels(draft).inc(stats.accepted)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of a scrape."""

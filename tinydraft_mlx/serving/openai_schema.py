@@ -176,6 +176,7 @@ def usage(stats: GenerationStats | None, prompt_tokens: int, completion_tokens: 
         out["speculative"] = {
             "draft": draft,
             "k": stats.k,
+            "tree": stats.tree,
             "rounds": stats.rounds,
             "drafted": stats.drafted,
             "accepted": stats.accepted,

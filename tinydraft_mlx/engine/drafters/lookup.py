@@ -12,6 +12,7 @@ from ..sampling import check_int
 
 PROMPT_LOOKUP = "prompt-lookup"  # the draft argument that selects this drafter
 NO_DRAFT = "none"  # the draft argument for plain decoding
+STARTS = 8  # the latest continuations kept per n-gram (a candidate tree's branches)
 
 
 class PromptLookup:
@@ -33,7 +34,8 @@ class PromptLookup:
 
 
 class NgramIndex:
-    """For each n-gram of `seq` that has a continuation, where its latest continuation starts.
+    """For each n-gram of `seq` that has a continuation, where its latest STARTS continuations
+    start (latest last).
 
     Holds a reference to `seq` (the decode loop's growing list) and catches up on new tokens when
     asked for a proposal: O(max_ngram) work per token, O(1) lookups.
@@ -41,14 +43,17 @@ class NgramIndex:
 
     def __init__(self, seq: list[int], min_ngram: int, max_ngram: int) -> None:
         self.seq, self.min_ngram, self.max_ngram = seq, min_ngram, max_ngram
-        self.follows: dict[tuple[int, ...], int] = {}
+        self.follows: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # continuations seq[1:indexed] are registered
 
     def _catch_up(self) -> None:
         seq = self.seq
         for end in range(max(self.indexed, 1), len(seq)):  # n-grams ending just before `end`
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self.follows[tuple(seq[end - n : end])] = end
+                starts = self.follows.setdefault(tuple(seq[end - n : end]), [])
+                starts.append(end)
+                if len(starts) > STARTS:
+                    del starts[0]
         self.indexed = max(self.indexed, len(seq))
 
     def propose(self, k: int) -> list[int]:
@@ -56,7 +61,21 @@ class NgramIndex:
         self._catch_up()
         seq = self.seq
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            start = self.follows.get(tuple(seq[-n:]))
-            if start is not None:
-                return seq[start : start + k]
+            starts = self.follows.get(tuple(seq[-n:]))
+            if starts:
+                return seq[starts[-1] : starts[-1] + k]
         return []
+
+    def continuations(self, k: int, most: int) -> list[list[int]]:
+        """Up to `most` different continuations of up to k tokens, best first: the longest
+        matching suffix's, latest first, then shorter suffixes' (`propose`'s is the first)."""
+        self._catch_up()
+        seq, out = self.seq, []
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            for start in reversed(self.follows.get(tuple(seq[-n:]), [])):
+                found = seq[start : start + k]
+                if found and found not in out:
+                    out.append(found)
+                if len(out) == most:
+                    return out
+        return out

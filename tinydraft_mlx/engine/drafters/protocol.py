@@ -39,8 +39,10 @@ class Source(Protocol):
       drafter's block_size), None where each proposed token costs a draft step.
     - Proposing: `begin(seq)` once the row joins (seq grows in place); each round
       `host_proposal(k)`: ids proposed on the host (or a `HostProposal` with its q), or None
-      where its model's batched chain drafts the row; `settle(keep)` ends the round (the first
-      `keep` tokens of the sequence are accepted).
+      where its model's batched chain drafts the row; for a candidate tree, `host_tree(k,
+      budget)`: several deterministic continuations, best first ([]: the host proposal verifies
+      as a chain); `settle(keep)` ends the round (the first `keep` tokens of the sequence are
+      accepted).
     - Its model (`model`, None for a host-only drafter): `chain(caches, chunk, width)` makes the
       batch's chain for it (chains.py); `attach(target)` checks that it may draft for `target`
       and prepares it; `reads_target`: whether its chain reads the target's states (the verify
@@ -64,6 +66,8 @@ class Source(Protocol):
     def begin(self, seq: list[int]) -> None: ...
 
     def host_proposal(self, k: int) -> list[int] | HostProposal | None: ...
+
+    def host_tree(self, k: int, budget: int) -> list[list[int]]: ...
 
     def settle(self, keep: int) -> None: ...
 
@@ -90,6 +94,9 @@ class HostDrafter:
         pass
 
     def host_proposal(self, k: int) -> list[int] | HostProposal | None:
+        return []
+
+    def host_tree(self, k: int, budget: int) -> list[list[int]]:
         return []
 
     def settle(self, keep: int) -> None:

@@ -134,6 +134,10 @@ class LookupDraft(HostDrafter):
     def host_proposal(self, k: int) -> list[int] | HostProposal | None:
         return self.index.propose(k) if k else []
 
+    def host_tree(self, k: int, budget: int) -> list[list[int]]:
+        """Several continuations for a candidate tree (`host_proposal`'s first)."""
+        return self.index.continuations(k, budget) if k else []
+
 
 class Hybrid:
     """The `draft` argument for prompt lookup and a draft model together: each round proposes

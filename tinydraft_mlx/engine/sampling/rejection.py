@@ -114,6 +114,30 @@ def _emission_row(p: mx.array, q: mx.array, n: mx.array) -> mx.array:
     return mx.where(row.sum(axis=-1, keepdims=True) > 0, row, p_row)
 
 
+def rejection_steps(p: mx.array, q: mx.array, draft_tokens: mx.array,
+                    key: mx.array) -> tuple[mx.array, mx.array]:
+    """Every position's own step of the stochastic rule, for a walk that goes on after a
+    rejection (candidate trees: the emitted token may be a sibling in the tree): whether d_i
+    passes its test (probability min(1, p_i(d_i) / q_i(d_i))), and a draw from the residual
+    norm(max(0, p_i - q_i)) (p_i where that is zero: rejection has probability 0 there). Either
+    way the token at position i is distributed as p_i (Leviathan et al., Theorem 1).
+
+    Args:
+        p: (B, k, Vp) target probabilities at the positions where d_1..d_k were proposed;
+        q: (B, k, Vq) the draft's; draft_tokens: (B, k) int; key: an `mx.random.key`.
+    Returns:
+        accepted: (B, k) bool; residual: (B, k) int32 the draws from the residuals.
+    """
+    p, q = _same_width(p, q)
+    batch, k = draft_tokens.shape
+    accept_key, sample_key = mx.random.split(key)
+    u = mx.random.uniform(shape=(batch, k), key=accept_key)
+    accepted = _accepted(p, q, draft_tokens, u)
+    residual = mx.maximum(p - q, 0.0)
+    rows = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    return accepted, sample_rows(rows, sample_key).astype(mx.int32)
+
+
 def speculative_accept_rows(
     p: mx.array, q: mx.array, draft_tokens: mx.array, lengths: list[int], key: mx.array,
 ) -> tuple[mx.array, mx.array]:
