@@ -100,3 +100,69 @@ def dflash_shapes(r: dict) -> list[str]:
                      f"{run['verify16_over_step']:.2f} | {p['3']:.2f}x / {p['5']:.2f}x / "
                      f"{p['7']:.2f}x | {run['break_even_tau']:.2f} |")
     return lines
+
+
+def trees(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**Candidate trees against chains** (`python -m bench.trees`; demo pair, {s['dtype']}, "
+        f"{s['prompts']} held-out prompts x {s['max_tokens']} tokens, T = 0 and 0.7 (unseeded); "
+        "[json](results/trees.json), [plot](results/trees.png)): tokens per target forward "
+        "(tau) at N draft positions verified per round, a chain of k = N against a tree of "
+        "budget N (DDTree's, 15 deep, for the block drafter; for the others their chain of "
+        "max(2, N // 2) drafts and its likeliest siblings); every greedy output equal to plain "
+        "decoding's",
+        "",
+        "| drafter | T | " + " | ".join(f"chain / tree, N = {n}" for n in s["positions"]) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in s["positions"]) + " |",
+    ]
+    for temperature, drafters in r["tau"].items():
+        for name, shapes in drafters.items():
+            cells = [f"{shapes['chain'][str(n)]['tau']:.2f} / {shapes['tree'][str(n)]['tau']:.2f}"
+                     for n in s["positions"]]
+            lines.append(f"| {name} | {temperature.split('=')[1]} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"What a tree round's parts cost ({s['cost_settings']}; median of {s['repeats']}, ms, "
+        "share of the whole round in brackets):",
+        "",
+        "| batch | round | tree verify | chain verify, same positions | tree / chain verify | "
+        "grow trees | layout | compaction |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for batch, c in r["costs"].items():
+        sh = c["shares"]
+        lines.append(
+            f"| {batch.split('=')[1]} | {c['round']:.1f} | {c['tree verify']:.1f} "
+            f"({sh['tree verify']:.0%}) | {c['chain verify']:.1f} | "
+            f"{c['tree / chain verify']:.2f}x | {c['grow trees']:.2f} ({sh['grow trees']:.0%}) "
+            f"| {c['layout']:.2f} ({sh['layout']:.0%}) | {c['compaction']:.2f} "
+            f"({sh['compaction']:.0%}) |")
+    return lines
+
+
+def tree_shapes(r: dict) -> list[str]:
+    t_v, s = r["t_v_ms"], r["settings"]
+    ns = [str(n) for n in s["ns"]]
+    lines = [
+        f"**A tree verify on a Qwen3-4B shape** (`python -m bench.tree_shapes`; random weights, "
+        f"{s['dtype']}, B = {s['batch']}, {r['measured_layers']} of {r['layers']} layers "
+        "measured and the rest extrapolated, a binary tree; [json](results/tree_shapes.json), "
+        "[plot](results/tree_shapes.png)): t_v(n) / t_1 with the tree mask and causal",
+        "",
+        "| verify | " + " | ".join(f"n = {n}" for n in ns) + " |",
+        "| --- | " + " | ".join("---" for _ in ns) + " |",
+    ]
+    t_1 = t_v["causal"]["1"]
+    for kind in ("causal", "tree"):
+        lines.append(f"| {kind} | " + " | ".join(f"{t_v[kind][n] / t_1:.2f}" for n in ns) + " |")
+    speed = r.get("model", {}).get("speedup")
+    if speed:
+        cells = ", ".join(f"N = {n}: chain {v['chain']:.2f}x (tau {v['tau_chain']:.2f}), tree "
+                          f"{v['tree']:.2f}x (tau {v['tau_tree']:.2f})" for n, v in speed.items())
+        lines += ["", f"Modelled, not measured (speed-up = tau t_1 / (t_block + t_v(N + 1)), "
+                      f"t_block {r['model']['t_block_ms']:.0f} ms from dflash_shapes, tau the "
+                      f"demo DFlash drafter's, greedy): {cells}. The demo drafter's tau is far "
+                      "below a published drafter's; the tree's gain over the chain is the "
+                      "ratio to read."]
+    return lines

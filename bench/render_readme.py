@@ -537,6 +537,8 @@ def main() -> None:
         ("dflash_reference", render_blocks.dflash_reference),
         ("acceptance_rules", render_blocks.acceptance_rules),
         ("dflash_shapes", render_blocks.dflash_shapes),
+        ("trees", render_blocks.trees),
+        ("tree_shapes", render_blocks.tree_shapes),
     ]:
         data = _load(name)
         if data is not None:

@@ -1,0 +1,162 @@
+"""What a tree verify costs on a shape users run: a Qwen3-4B-shaped random target (mlx-lm's own
+model, random weights, float32), t_v(n) with a tree mask against the causal verify of the same n
+positions, and the speed-up a DFlash tree would give under a cost model.
+
+    python -m bench.tree_shapes     # ~5 minutes on a 2-core machine, ~5 GB of memory
+
+As bench/dflash_shapes.py: the target is built with MEASURED of its 36 layers and its full
+depth is extrapolated, t(n) = t_head(n) + (layers / MEASURED) (t_small(n) - t_head(n)), t_head
+the final norm and LM head on n positions measured apart; each t the median of REPEATS after a
+warm-up, after a 64-token prompt, one row (B = 1). The tree is a binary one (node i's parent is
+(i - 1) // 2), laid out and masked as the engine's (`tree_verify.forward`); the causal verify is
+the batch cache's own forward of the same positions.
+
+The model, labelled as one: a round of a DFlash drafter costs t_block + t_v(n + 1) and emits
+tau tokens, so speed-up = tau t_1 / (t_block + t_v(n + 1)), with t_block from
+results/dflash_shapes.json (the same shape's 5-layer drafter) and tau, chain and tree at the
+same n, from results/trees.json (the demo pair's DFlash drafter, greedy: a small drafter's
+acceptance, not a published one's).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = "qwen3-4b"
+NS = (1, 5, 9, 16, 32, 64)
+
+
+def worker() -> dict:
+    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
+
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+
+    from bench.dflash_shapes import MEASURED, PROMPT, SHAPES, _median_ms
+    from tinydraft_mlx.engine import hidden
+    from tinydraft_mlx.engine.cache import layer_kinds, make_cache
+    from tinydraft_mlx.engine.cache.batch import BatchCache
+    from tinydraft_mlx.engine.tree_verify import forward, layout
+    from tinydraft_mlx.engine.trees import Tree
+
+    config = json.loads(json.dumps(SHAPES[SHAPE]))
+    depth, config["num_hidden_layers"] = config["num_hidden_layers"], MEASURED[SHAPE]
+    mx.random.seed(0)
+    target = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    mx.eval(target.parameters())
+    ids = [(7 * i) % 1000 + 10 for i in range(PROMPT)]
+    solo = make_cache(target)
+    target(mx.array([ids[:-1]]), cache=solo)
+    rows = BatchCache(layer_kinds(target))
+    rows.add([solo])
+    mx.eval(rows.arrays())
+    lengths = list(rows.lengths)
+
+    def causal(n: int):
+        x = mx.array([[11] * n])
+
+        def run():
+            out = rows.forward(target, x)
+            rows.rollback(lengths)
+            return out
+        return run
+
+    def tree(n: int):
+        shape = Tree([11] * n, [-1] + [(i - 1) // 2 for i in range(1, n)],
+                     [0] + [(i + 1).bit_length() - 1 for i in range(1, n)])
+        tokens, depths, ancestors = layout([shape])
+
+        def run():
+            out = forward(target, rows, tokens, depths, ancestors)
+            rows.rollback(lengths)
+            return out
+        return run
+
+    norm = hidden.final_norm(target)
+
+    def head_only(n: int):
+        x = mx.random.normal((1, n, config["hidden_size"]))
+        return lambda: target.model.embed_tokens.as_linear(norm(x))
+
+    scale = depth / MEASURED[SHAPE]
+    out = {}
+    for name, make in (("causal", causal), ("tree", tree)):
+        small = {n: _median_ms(make(n)) for n in NS}
+        heads = {n: _median_ms(head_only(n)) for n in NS}
+        out[name] = {n: round(heads[n] + scale * max(0.0, small[n] - heads[n]), 2) for n in NS}
+    return {"machine": machine(), "shape": SHAPE, "layers": depth,
+            "measured_layers": MEASURED[SHAPE], "t_v_ms": out}
+
+
+def model(report: dict) -> dict:
+    """The cost model's speed-ups (see the module docstring), where the inputs exist."""
+    shapes, trees = ROOT / "results" / "dflash_shapes.json", ROOT / "results" / "trees.json"
+    if not shapes.exists() or not trees.exists():
+        return {}
+    block = next(r for r in json.loads(shapes.read_text())["runs"] if r["shape"] == SHAPE)
+    tau = json.loads(trees.read_text())["tau"]["T=0.0"]["dflash"]
+    t_v, t_1, t_b = report["t_v_ms"], report["t_v_ms"]["causal"]["1"], block["t_block_ms"]
+
+    def cost(kind: str, n: int) -> float:  # t_v(n + 1), interpolated between measured n
+        points = sorted((int(k), v) for k, v in t_v[kind].items())
+        for (a, ta), (b, tb) in zip(points, points[1:]):
+            if a <= n + 1 <= b:
+                return ta + (tb - ta) * (n + 1 - a) / (b - a)
+        raise ValueError(n)
+
+    out = {}
+    for n in tau["chain"]:
+        chain = tau["chain"][n]["tau"] * t_1 / (t_b + cost("causal", int(n)))
+        tree = tau["tree"][n]["tau"] * t_1 / (t_b + cost("tree", int(n)))
+        out[n] = {"chain": round(chain, 3), "tree": round(tree, 3),
+                  "tau_chain": tau["chain"][n]["tau"], "tau_tree": tau["tree"][n]["tau"]}
+    return {"t_1_ms": t_1, "t_block_ms": t_b, "speedup": out}
+
+
+def plot(report: dict, path: Path) -> None:
+    from bench.common import finish_figure, pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    t_v = report["t_v_ms"]
+    t_1 = t_v["causal"]["1"]
+    for kind, style in (("causal", "--"), ("tree", "-")):
+        n = sorted(int(k) for k in t_v[kind])
+        axes[0].plot(n, [t_v[kind][str(k)] / t_1 for k in n], style, marker="o", label=kind)
+    axes[0].set_xlabel("verified positions n")
+    axes[0].set_ylabel("t_v(n) / t_1")
+    axes[0].legend(fontsize=8)
+    speed = report.get("model", {}).get("speedup", {})
+    if speed:
+        ns = sorted(int(n) for n in speed)
+        for kind, style in (("chain", "--"), ("tree", "-")):
+            axes[1].plot(ns, [speed[str(n)][kind] for n in ns], style, marker="o", label=kind)
+        axes[1].axhline(1.0, color="grey", lw=0.8)
+        axes[1].set_xlabel("draft positions verified per round")
+        axes[1].set_ylabel("modelled speed-up (demo DFlash tau)")
+        axes[1].legend(fontsize=8)
+    finish_figure(plt, fig, path, report, "Tree verify on a Qwen3-4B shape",
+                  "random weights; speed-up = tau t_1 / (t_block + t_v(n + 1)), a model", 10)
+
+
+def main() -> None:
+    from bench.common import in_fresh_process, save
+
+    start = time.time()
+    report = in_fresh_process(__file__, timeout=1500)
+    report["settings"] = {"dtype": "float32", "ns": list(NS), "batch": 1,
+                          "seconds": round(time.time() - start)}
+    report["model"] = model(report)
+    print(save(report, "tree_shapes", plot))
+    print(report["t_v_ms"], report["model"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        print(json.dumps(worker()))
+    else:
+        sys.exit(main())
