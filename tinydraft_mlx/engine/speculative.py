@@ -57,7 +57,8 @@ def decode(
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
     elsewhere)."""
     source = resolve_drafter(draft, target=target)
-    decoder = BatchDecoder(target, source.model, max_k=max(1, max_draft_length(source, k)),
+    reach = max(1, max_draft_length(source, k), tree or 0)  # a tree's nodes roll back too
+    decoder = BatchDecoder(target, source.model, max_k=reach,
                            single=True, bitwise=bitwise, max_kv_size=max_kv_size)
     uid = decoder.insert(prompt, draft=source, k=k, max_tokens=max_tokens, sampling=sampling,
                          eos_token_ids=eos_token_ids, logits_processors=logits_processors,

@@ -6,7 +6,8 @@ a chain row's layout is its chain), written at slots length_b, length_b + 1, ...
 verify's; each node attends to the row's cache and to its own ancestors (a (B, 1, L, slots)
 mask that each layer's cache hands mlx-lm's attention through `make_mask`) and sits at position
 length_b + depth (RoPE: the model's rope modules are given each node's position for the one
-forward). Padding nodes attend as a chain's would; they are never read.
+forward); in a ring layer (bounded, sliding-window) it sees the sinks and the window up to its
+own position. Padding nodes attend as a chain's would; they are never read.
 
 The choices: greedy argmax; an unseeded sampled row draws at every node from its warped p with
 Gumbel noise drawn from its round's key per depth (a walk visits one node per depth, so its
@@ -29,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cache.kv import ring_slots, slot_positions
 from .sampling import ParameterError, seeded, warp
 from .sampling.rejection import rejection_steps
 from .trees import BRANCH, Tree, chain, grow, trie
@@ -140,20 +142,59 @@ def layout(trees: list[Tree]) -> tuple[mx.array, mx.array, mx.array]:
             mx.array(anc, dtype=mx.bool_))
 
 
+def _ring(layer: Any) -> tuple[int, int, int] | None:
+    """(keep, ring, window) of a layer in the slot layout of a `RollbackRotatingKVCache` (a
+    bounded or sliding-window layer, one sequence's or a batch's), None for a growing one."""
+    bound = getattr(layer, "bound", layer)  # a batch layer's `Ring`, or the cache itself
+    if bound is None or not hasattr(bound, "ring"):
+        return None
+    return bound.keep, bound.ring, bound.window
+
+
+def _mask(ring: tuple[int, int, int] | None, lengths: mx.array, read: int, depths: mx.array,
+          ancestors: mx.array) -> mx.array:
+    """(B, 1, L, slots) what each node sees: the row's earlier positions (within the window of
+    its own position, for a ring) and its ancestors. A growing layer's slot s holds position s;
+    a ring's slot the position `slot_positions` gives it once the nodes are written."""
+    n = depths.shape[1]
+    if ring is None:
+        held = mx.broadcast_to(mx.arange(read, dtype=mx.int32)[None], (lengths.shape[0], read))
+    else:
+        keep, size, _ = ring
+        held = slot_positions(lengths[:, None] + n, keep, size, keep + size)  # (B, S)
+    rel = held - lengths[:, None]  # a node's layout index, or < 0 for the cache
+    index = mx.clip(rel, 0, n - 1)
+    seen = (held >= 0) & (rel < 0)
+    node = (rel >= 0) & (rel < n)
+    tree = node[:, None, :] & mx.take_along_axis(ancestors, index[:, None, :], axis=2)
+    if ring is not None:  # the latest `window` positions up to the node's own, and the sinks
+        keep, _, window = ring
+        at = (lengths[:, None] + depths)[:, :, None]  # (B, L, 1) each node's position
+        position = mx.where(node, lengths[:, None] + mx.take_along_axis(depths, index, axis=1),
+                            held)[:, None, :]
+        recent = position > at - window
+        return ((held < keep)[:, None, :] & (seen[:, None, :] | tree)
+                | (seen[:, None, :] | tree) & recent)[:, None]
+    return (seen[:, None, :] | tree)[:, None]
+
+
 def forward(model: nn.Module, rows: Any, tokens: mx.array, depths: mx.array,
             ancestors: mx.array, **inputs: Any) -> mx.array:
     """(B, L) node ids -> (B, L, V) logits, each row's nodes as the module docstring says;
-    `rows`: a `BatchCache` or a `SingleCache` (every row advances by L, as any verify)."""
+    `rows`: a `BatchCache` or a `SingleCache` (every row advances by L, as any verify). A ring
+    layer (bounded, sliding-window) takes at most its margin + 1 nodes (the caller's check)."""
     n = tokens.shape[1]
     lengths = mx.array(rows.lengths, dtype=mx.int32)
     if hasattr(rows, "reserve"):
         rows.reserve(n)
-    read = max(rows.lengths) + n  # the slots attention reads (written ones and the new nodes)
-    rel = mx.arange(read, dtype=mx.int32)[None] - lengths[:, None]  # (B, S) slot - length
-    inside = (rel >= 0) & (rel < n)
-    tree = mx.take_along_axis(ancestors, mx.clip(rel, 0, n - 1)[:, None, :], axis=2)
-    mask = ((rel < 0)[:, None, :] | (inside[:, None, :] & tree))[:, None]  # (B, 1, L, S)
-    layers = [_Masked(layer, mask) for layer in rows.layers]
+    read = max(rows.lengths) + n  # the slots a growing layer's attention reads
+    masks: dict = {}
+    layers = []
+    for layer in rows.layers:
+        ring = _ring(layer)
+        if ring not in masks:
+            masks[ring] = _mask(ring, lengths, read, depths, ancestors)
+        layers.append(_Masked(layer, masks[ring]))
     with _placed(model, lengths[:, None] + depths):
         logits = model(tokens, cache=layers, **inputs)
     if hasattr(rows, "advance"):
@@ -197,21 +238,28 @@ def choices(rows: list[Any], trees: dict[int, Tree], logits: mx.array,
 
 
 def compact(layers: Any, starts: list[int], paths: list[list[int]]) -> None:
-    """Move each row's walked path to its contiguous slots: slot starts[b] + j takes slot
-    starts[b] + paths[b][j] in every layer (`layers`: the rows cache's full-attention layers,
-    whose `keys` / `values` are (B, heads, slots, dim))."""
+    """Move each row's walked path to its contiguous positions: position starts[b] + j takes
+    what position starts[b] + paths[b][j] holds, in every layer (`layers`: the rows cache's
+    attention layers, whose `keys` / `values` are (B, heads, slots, dim); a ring layer's
+    positions mapped to its slots)."""
     if all(p == list(range(len(p))) for p in paths):
         return
     width = max(len(p) for p in paths)
     src = mx.array([[s + (p[j] if j < len(p) else 0) for j in range(width)]
-                    for s, p in zip(starts, paths)], dtype=mx.int32)[:, None, :, None]
+                    for s, p in zip(starts, paths)], dtype=mx.int32)
     dst = mx.array([[s + (j if j < len(p) else 0) for j in range(width)]
-                    for s, p in zip(starts, paths)], dtype=mx.int32)[:, None, :, None]
+                    for s, p in zip(starts, paths)], dtype=mx.int32)
     for layer in layers:
+        ring = _ring(layer)
+        if ring is None:
+            take, put = src, dst
+        else:
+            take, put = (ring_slots(x, ring[0], ring[1]) for x in (src, dst))
         for name in ("keys", "values"):
             buffer = getattr(layer, name)
-            moved = mx.take_along_axis(buffer, src, axis=2)
-            setattr(layer, name, mx.put_along_axis(buffer, dst, moved, axis=2))
+            moved = mx.take_along_axis(buffer, take[:, None, :, None], axis=2)
+            setattr(layer, name, mx.put_along_axis(buffer, put[:, None, :, None], moved,
+                                                   axis=2))
 
 
 def in_path_order(seen: list, paths: list[list[int]]) -> list:
@@ -229,19 +277,19 @@ def in_path_order(seen: list, paths: list[list[int]]) -> list:
 
 
 def refusal(model: nn.Module, source: Any, processors: Any, bitwise: bool,
-            limited: bool) -> str | None:
+            stateful: bool) -> str | None:
     """Why a row with this drafter and these processors cannot verify trees on `model` (None:
-    it can). `limited`: the batch holds bounded, sliding-window or recurrent layers, or a
-    tensor-parallel target."""
+    it can). `stateful`: the models hold recurrent layers (or layers of a kind a batch does
+    not hold), or the target is tensor-parallel."""
     if not source.drafts:
         return "None without a drafter (a tree holds its proposals)"
     if processors:
         return "None with logits processors or penalties (their history differs per branch)"
     if bitwise:
         return "None with bitwise"
-    if limited:
-        return ("None with bounded, sliding-window or recurrent layers or a tensor-parallel "
-                "target (a tree is verified on full-attention caches)")
+    if stateful:
+        return ("None with recurrent layers or a tensor-parallel target (a tree is verified "
+                "on attention caches only)")
     if not rope_modules(model):
         return "None with this target (it has no rope module to place tree positions)"
     return None

@@ -186,7 +186,7 @@ class Prepared:
     ids: list[int]
     drafter: Source
     options: Options
-    k_eff: int  # the most tokens a round may draft
+    k_eff: int  # the most tokens a round may draft (a tree: its nodes)
     sampling: SamplingParams
     processors: list[Processor]
     eos: frozenset[int]
@@ -212,7 +212,7 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
                              prompt_progress_callback)
     ids = prompt_ids(tokenizer, prompt, width, options.chat_template)
     k = options.k
-    k_eff = max_draft_length(drafter, k)
+    k_eff = max(max_draft_length(drafter, k), options.tree or 0)  # a tree's nodes roll back too
     max_kv_size = options.max_kv_size
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
@@ -226,7 +226,8 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
         try:
             check_int("max_kv_size", max_kv_size, need)
         except ParameterError:
-            why = f" (a round of k={k!r} writes {k_eff + 1} positions beside the {KEEP} kept; " \
+            what = f"tree={options.tree}" if options.tree else f"k={k!r}"
+            why = f" (a round of {what} writes {k_eff + 1} positions beside the {KEEP} kept; " \
                   "a smaller window needs a smaller k)" if k_eff else ""
             raise ParameterError("max_kv_size", f"an integer >= {need}{why}",
                                  max_kv_size) from None
@@ -243,14 +244,17 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
 def check_tree(target: nn.Module, drafter: Source, options: Options,
                max_kv_size: int | None) -> None:
     """ParameterError where `options.tree` is set and this generation cannot verify trees (no
-    drafter, logits processors, bitwise, a bounded cache, layers other than full attention in
-    the target or the draft model, a tensor-parallel target)."""
+    drafter, logits processors, bitwise, recurrent layers or layers of a kind a batch does not
+    hold in the target or the draft model, a tensor-parallel target)."""
     if options.tree is None:
         return
     models = [m for m in (target, drafter.model) if m is not None]
-    limited = max_kv_size is not None or ranks_of(target) is not None or any(
-        kind != "kv" for m in models for kind in layer_kinds(m) or ["other"])
-    why = tree_refusal(target, drafter, options.processors(), options.bitwise, limited)
+    stateful = ranks_of(target) is not None or any(
+        kind == "recurrent" for m in models for kind in layer_kinds(m) or ["recurrent"])
+    why = tree_refusal(target, drafter, options.processors(), options.bitwise, stateful)
+    if why is None and max_kv_size is not None and KEEP + options.tree + 1 > max_kv_size:
+        why = (f"at most {max_kv_size - KEEP - 1} with max_kv_size {max_kv_size} (a round of "
+               f"tree=N writes N + 1 positions beside the {KEEP} kept)")
     if why is not None:
         raise ParameterError("tree", why, options.tree)
 
