@@ -138,6 +138,17 @@ def trees(r: dict) -> list[str]:
             f"{c['tree / chain verify']:.2f}x | {c['grow trees']:.2f} ({sh['grow trees']:.0%}) "
             f"| {c['layout']:.2f} ({sh['layout']:.0%}) | {c['compaction']:.2f} "
             f"({sh['compaction']:.0%}) |")
+    if "speed" in r:
+        lines += [
+            "",
+            f"Tokens per second here (greedy, the same prompts, prefill included; each contender "
+            f"its own process, medians of {s['speed_repeats']} interleaved runs):",
+            "",
+            "| contender | tok/s | vs plain | tau |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [f"| {name} | {v['tps']:.1f} | {v['vs_plain']:.2f}x | {v['tau']:.2f} |"
+                  for name, v in r["speed"].items()]
     return lines
 
 

@@ -19,10 +19,16 @@ Part 2, costs of a tree round (demo pair, draft model, budget 16, depth 8, greed
 17 positions, growing the trees on the host (`tree_verify.shapes`, with its read of the
 candidates), their layout, the commit's compaction, and a whole round (`BatchDecoder.step`),
 each the median of REPEATS timings in one process; shares are of the round.
+
+Part 3, tokens per second on this machine (greedy, the same 3 prompts x 64 tokens, prefill
+included), each contender in a process of its own after a warm-up generation, SPEED_REPEATS
+runs interleaved, medians: plain decoding, the DFlash drafter's chain (k = 15) and trees
+(budgets 8, 15, 32), the draft model's chain (k = 4) and tree (k = 4, budget 8).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -36,6 +42,12 @@ POSITIONS = (4, 8, 15)
 TEMPERATURES = (0.0, 0.7)
 PROMPTS, MAX_TOKENS = 3, 64
 REPEATS = 20
+SPEED_REPEATS = 3
+# contender -> (drafter, k, tree)
+SPEED = {"plain": (None, 1, None), "dflash chain k=15": ("dflash", 15, None),
+         "dflash tree 8": ("dflash", 15, 8), "dflash tree 15": ("dflash", 15, 15),
+         "dflash tree 32": ("dflash", 15, 32), "model chain k=4": ("model", 4, None),
+         "model tree 8": ("model", 4, 8)}
 
 
 def _models():
@@ -153,6 +165,40 @@ def _costs(target, draft, prompts: list[list[int]]) -> dict:
             "tree / chain verify": round(parts["tree verify"] / parts["chain verify"], 3)}
 
 
+def speed_worker(contender: str) -> dict:
+    """One contender's tokens per second (Part 3), in this process."""
+    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
+    from bench.demo_quality import held_out_prompts
+    from tinydraft_mlx import generate
+
+    target, tok, drafters = _models()
+    name, k, tree = SPEED[contender]
+    drafter = drafters.get(name)
+    prompts = held_out_prompts(PROMPTS, seed=0)
+    generate(target, drafter, tok, prompts[0], k=k, tree=tree, max_tokens=16)  # warm-up
+    start, generated, rounds = time.perf_counter(), 0, 0
+    for p in prompts:
+        _, stats = generate(target, drafter, tok, p, k=k, tree=tree, max_tokens=MAX_TOKENS)
+        generated, rounds = generated + stats.generated, rounds + stats.rounds
+    seconds = time.perf_counter() - start
+    return {"contender": contender, "tps": round(generated / seconds, 2),
+            "tau": round(generated / rounds, 3), "blas": machine()["blas"]}
+
+
+def speed() -> dict:
+    from bench.common import in_fresh_process
+
+    runs = [in_fresh_process(__file__, contender) for _ in range(SPEED_REPEATS)
+            for contender in SPEED]
+    plain = statistics.median(r["tps"] for r in runs if r["contender"] == "plain")
+    out = {}
+    for contender in SPEED:
+        tps = statistics.median(r["tps"] for r in runs if r["contender"] == contender)
+        tau = next(r["tau"] for r in runs if r["contender"] == contender)
+        out[contender] = {"tps": tps, "vs_plain": round(tps / plain, 3), "tau": tau}
+    return out
+
+
 def measure() -> dict:
     from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
 
@@ -161,9 +207,11 @@ def measure() -> dict:
     report = {"machine": machine(), "settings": {
         "dtype": "float32", "drafters": list(DRAFTERS), "positions": list(POSITIONS),
         "temperatures": list(TEMPERATURES), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-        "cost_settings": "draft model, budget 16, depth 8, greedy", "repeats": REPEATS}}
+        "cost_settings": "draft model, budget 16, depth 8, greedy", "repeats": REPEATS,
+        "speed_repeats": SPEED_REPEATS}}
     report["tau"] = tau(target, tok, drafters)
     report["costs"] = costs(target, tok, drafters)
+    report["speed"] = speed()
     report["settings"]["seconds"] = round(time.time() - start)
     return report
 
@@ -210,4 +258,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--worker"]:
+        print(json.dumps(speed_worker(sys.argv[2])))
+    else:
+        sys.exit(main())
