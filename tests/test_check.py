@@ -247,3 +247,35 @@ def test_the_checks_own_forwards_run_on_the_generation_stream(demo):
 
     _first_distributions(Spy(target), Spy(draft), tok.encode("def f(x):"), SamplingParams(1.0))
     assert len(seen) == 2 and outside not in seen
+
+
+def test_trees_are_checked(report_file, capsys):
+    """--tree 8 on the demo pair: exact (greedy identity and the sampling check on trees),
+    nothing predicted from a chain's cost model."""
+    assert main(["--quick", "--tree", "8", "--json", str(report_file)]) == 0
+    report = json.loads(report_file.read_text())
+    assert report["settings"]["tree"] == 8 and report["greedy_identical"]
+    draft = report["drafts"][0]
+    assert draft["greedy"]["compared_tokens"] == 2 * 32 * 4
+    assert all(v is None for v in draft["predicted_speedup"].values())
+    assert "candidate trees of 8 nodes" in capsys.readouterr().out
+
+
+def test_a_walk_that_leaves_the_targets_choice_fails_the_greedy_check(
+        monkeypatch, report_file, sampling_passes):
+    """A tree walk that descends one node past where the target's choice stops it."""
+    from tinydraft_mlx.engine.trees import Tree
+
+    walk = Tree.walk
+
+    def one_node_too_far(self, choices, *tests):
+        path, tokens = walk(self, choices, *tests)
+        children = self.children.get(path[-1])
+        if not children:
+            return path, tokens
+        child = next(iter(children.values()))  # none of them holds the target's choice
+        return path + [child], tokens[:-1] + [self.tokens[child], choices[child]]
+
+    monkeypatch.setattr(Tree, "walk", one_node_too_far)
+    assert main(["--quick", "--tree", "8", "--json", str(report_file)]) == 1
+    assert not json.loads(report_file.read_text())["greedy_identical"]

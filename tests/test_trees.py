@@ -546,6 +546,14 @@ def test_refusals_are_one_line(eagle, hybrid_target):
         assert words in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ParameterError, match="None without a drafter"):
         generate(target, None, tok, ids, max_tokens=4, tree=4)
+    # what the server asks before a request runs (a bound its window must hold)
+    from tinydraft_mlx import make_options
+    from tinydraft_mlx.engine.drafters import resolve_drafter
+    from tinydraft_mlx.generation.api import check_tree
+
+    with pytest.raises(ParameterError, match=r"at most 11 with max_kv_size 16 .* \(got 12\)"):
+        check_tree(target, resolve_drafter(draft, target=target), make_options(tree=12), 16)
+    check_tree(target, resolve_drafter(draft, target=target), make_options(tree=11), 16)
     hybrid, hybrid_tok = hybrid_target
     with pytest.raises(ParameterError, match="None with recurrent layers"):
         generate(hybrid, "prompt-lookup", hybrid_tok, [1, 2, 3], max_tokens=4, tree=4)

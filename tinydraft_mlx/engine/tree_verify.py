@@ -58,6 +58,8 @@ class _Positioned(nn.Module):
 
 @contextmanager
 def _placed(model: nn.Module, positions: mx.array) -> Iterator[None]:
+    """For the forward inside: every rope of `model` places the nodes at `positions` (B, L);
+    the model's own modules are back afterwards, whatever happened."""
     owners = rope_modules(model)
     ropes = [m.rope for m in owners]
     try:

@@ -18,6 +18,10 @@ For each draft (a model, "prompt-lookup" or "none"):
    curve that does not rise with n (a busy machine: t_v(4) = 113 ms after t_v(3) = 2.5 ms was
    seen) is flagged and predicts nothing.
 
+With `--tree N` the drafts verify candidate trees of N nodes, k deep (engine/trees.py): checks 1,
+2 and 4 and the measured speedups as above; nothing predicted (5 is a chain's cost model) and
+nothing written to the policy file.
+
 What it measured for each drafting draft (round costs per k, acceptance per position) is written
 to `k="auto"`'s policy file as that pair's entry (see engine/policy_store.py), so a checked pair
 starts informed in the next process.
@@ -52,6 +56,8 @@ from ..engine.drafters.mtp import MTP
 from ..engine.policy import record_rounds, sampling_regime
 from ..engine.rounds import BatchDecoder
 from ..engine.sampling import ParameterError, SamplingParams, check_int, warp
+from ..engine.tree_verify import check_budget
+from ..engine.trees import MAX_TREE
 from ..generation.api import generate, stream_generate
 from ..generation.loading import (
     DEMO_DIR,
@@ -152,10 +158,12 @@ def _add_positions(hits: list[int], reached: list[int], stats) -> None:
         hits[i], reached[i] = hits[i] + a, reached[i] + r
 
 
-def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) -> dict[str, Any]:
-    """Speculative greedy vs plain for every prompt and k: divergences (near-tie or not), the
-    tokens compared, acceptance, and decode rates per k next to a plain run of the same prompt
-    timed just before (side by side, so a noisy machine shifts both)."""
+def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance,
+                tree: int | None = None) -> dict[str, Any]:
+    """Speculative greedy vs plain for every prompt and k (with `tree`: candidate trees of that
+    budget, k deep): divergences (near-tie or not), the tokens compared, acceptance, and decode
+    rates per k next to a plain run of the same prompt timed just before (side by side, so a
+    noisy machine shifts both)."""
     out = {"divergences": [], "compared_tokens": 0, "per_k": {}}
     totals = {k: Counter() for k in ks}
     hits = {k: [0] * k for k in ks}
@@ -163,7 +171,7 @@ def greedy_runs(target, draft, tok, prompts, refs, ks, max_tokens, tolerance) ->
     for p, (ids, ref) in enumerate(zip(prompts, refs)):
         _, plain = generate(target, None, tok, ids, max_tokens=max_tokens)
         for k in ks:
-            got, stats = generate(target, draft, tok, ids, k=k, max_tokens=max_tokens)
+            got, stats = generate(target, draft, tok, ids, k=k, max_tokens=max_tokens, tree=tree)
             position = next((i for i, (a, b) in enumerate(zip(got, ref["tokens"])) if a != b),
                             None)
             out["compared_tokens"] += len(got) if position is None else position
@@ -207,7 +215,7 @@ def _first_distributions(target, draft, ids, sampling) -> tuple[np.ndarray, floa
 
 
 def sampling_check(target, draft, tok, prompts, sampling: SamplingParams, samples: int,
-                   k: int = 1) -> dict[str, Any]:
+                   k: int = 1, tree: int | None = None) -> dict[str, Any]:
     """First-token distribution of `samples` unseeded runs (k drafts in the first round, so the
     accept and the residual paths of the rejection rule both shape it) against the target's
     warped distribution, on the prompt where draft and target disagree most (lowest
@@ -217,7 +225,7 @@ def sampling_check(target, draft, tok, prompts, sampling: SamplingParams, sample
     chosen = min(range(len(prompts)), key=lambda i: firsts[i][1])
     ids, (probs, overlap) = prompts[chosen], firsts[chosen]
     start = time.perf_counter()
-    counts, paths = first_tokens(target, draft, tok, ids, sampling, samples, k)
+    counts, paths = first_tokens(target, draft, tok, ids, sampling, samples, k, tree=tree)
     stat, df = chi_square(counts, probs, samples)
     return {"p_value": chi2_p_value(stat, df), "statistic": stat, "df": df, "samples": samples,
             "prompt": chosen, "first_acceptance_probability": overlap,
@@ -226,7 +234,7 @@ def sampling_check(target, draft, tok, prompts, sampling: SamplingParams, sample
 
 
 def first_tokens(target, draft, tok, ids: list[int], sampling: SamplingParams, samples: int,
-                 k: int, rows: int = 100) -> tuple[Counter, Counter]:
+                 k: int, rows: int = 100, tree: int | None = None) -> tuple[Counter, Counter]:
     """The first token after `ids` of `samples` unseeded sequences drafting k in their first
     round, and which path gave it ("accepted" draft or "resampled"), run `rows` at a time as
     the sequences of one batch (the engine the server runs; each row draws with its own
@@ -237,7 +245,7 @@ def first_tokens(target, draft, tok, ids: list[int], sampling: SamplingParams, s
     generate(target, draft, tok, ids, k=k, max_tokens=1, prompt_cache=cache)  # the prompt in
     counts, paths = Counter(), Counter()
     for begin in range(0, samples, rows):
-        decoder = BatchDecoder(target, drafter.model, max_k=max(1, k))
+        decoder = BatchDecoder(target, drafter.model, max_k=max(1, k, tree or 0))
         uids = []
         for _ in range(min(rows, samples - begin)):
             row = cache.copy()
@@ -245,7 +253,7 @@ def first_tokens(target, draft, tok, ids: list[int], sampling: SamplingParams, s
             uids.append(decoder.insert(ids, draft=resolve_drafter(draft, target=target), k=k,
                                        max_tokens=k + 1, sampling=sampling,
                                        target_cache=row.target_cache,
-                                       draft_cache=row.draft_cache))
+                                       draft_cache=row.draft_cache, tree=tree))
         firsts = {}
         while len(decoder):
             for uid, tokens in decoder.step().items():
@@ -256,7 +264,8 @@ def first_tokens(target, draft, tok, ids: list[int], sampling: SamplingParams, s
     return counts, paths
 
 
-def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k) -> dict:
+def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k,
+                           tree: int | None = None) -> dict:
     """Acceptance overall and per position at the user's sampling settings (unseeded: the
     rejection rule, which accepts more than a seed's coupling)."""
     accepted = drafted = 0
@@ -264,7 +273,7 @@ def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k)
     for ids in prompts:
         _, stats = generate(target, draft, tok, ids, k=k, max_tokens=max_tokens,
                             temperature=sampling.temperature, top_p=sampling.top_p,
-                            top_k=sampling.top_k, min_p=sampling.min_p)
+                            top_k=sampling.top_k, min_p=sampling.min_p, tree=tree)
         accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
         _add_positions(hits, reached, stats)
     return {"acceptance": accepted / drafted if drafted else 0.0,
@@ -276,8 +285,11 @@ def temperature_acceptance(target, draft, tok, prompts, sampling, max_tokens, k)
 
 def check_draft(name, target, draft, tok, prompts, refs, args, sampling, tolerance,
                 measured: dict[str, Any]) -> dict:
-    """All five checks for one draft; `measured`: the target's costs."""
-    greedy = greedy_runs(target, draft, tok, prompts, refs, args.ks, args.max_tokens, tolerance)
+    """All five checks for one draft; `measured`: the target's costs. With `args.tree` a
+    drafting draft verifies trees (no chain cost model: nothing predicted)."""
+    tree = args.tree if resolve_drafter(draft).drafts else None
+    greedy = greedy_runs(target, draft, tok, prompts, refs, args.ks, args.max_tokens, tolerance,
+                         tree)
     failures = [d for d in greedy["divergences"] if not d["near_tie"]]
     c = {**measured, "t_d": draft_ms(draft, prompts[0], args.repeats, target)}
     block = resolve_drafter(draft, target=target).block  # one draft forward a round
@@ -285,16 +297,16 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
     pooled = [greedy["per_k"][k]["per_position"][0] for k in args.ks
               if greedy["per_k"][k]["per_position"][0] is not None]
     alpha = statistics.mean(pooled) if pooled else 0.0
-    sampled = sampling_check(target, draft, tok, prompts, sampling, args.samples)
+    sampled = sampling_check(target, draft, tok, prompts, sampling, args.samples, tree=tree)
     overhead = {}
-    for k in args.ks:  # measured round time beyond k draft steps + one verify
+    for k in args.ks if tree is None else []:  # round time beyond k draft steps + a verify
         round_ms = greedy["per_k"][k]["round_ms"]
         model_ms = steps[k] * c["t_d"] + c["t_v"][k + 1]
         overhead[k] = max(0.0, round_ms - model_ms) / round_ms if round_ms else 0.0
     c["host_overhead_per_round"] = overhead
     c["rising"] = rising(c["t_v"])
     predicted = {k: leviathan(alpha, k, c["t_d"], c["t_1"], c["t_v"][k + 1], steps[k])
-                 if c["rising"] else None for k in args.ks}
+                 if c["rising"] and tree is None else None for k in args.ks}
     return {
         "draft": name,
         # the baseline: its "speedups" are plain vs plain (noise)
@@ -308,7 +320,7 @@ def check_draft(name, target, draft, tok, prompts, refs, args, sampling, toleran
             "greedy": {k: {"overall": v["acceptance"], "per_position": v["per_position"]}
                        for k, v in greedy["per_k"].items()},
             "sampled": temperature_acceptance(target, draft, tok, prompts, sampling,
-                                              args.max_tokens, 4),
+                                              args.max_tokens, 4, tree),
             "alpha_first_position": alpha,
         },
         "predicted_speedup": predicted,
@@ -385,6 +397,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="cost curve and speedup per k (needs matplotlib)")
+    p.add_argument("--tree", type=int, default=None, metavar="N",
+                   help=f"check candidate trees of at most N nodes (1..{MAX_TREE}), k deep")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts x 32 tokens, 2000 samples (under a minute on the demo pair)")
     return p
@@ -411,6 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p)
     if sampling.greedy:
         raise ParameterError("--temp", "> 0 for the sampling check", args.temp)
+    check_budget(args.tree, MAX_TREE)
     names = args.draft or ["default"]
     paths = [default_draft(args.target) if n == "default" else n for n in names]
     target, first, tok = load_models(args.target, paths[0], dtype=args.dtype)
@@ -427,14 +442,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = [check_draft(name, target, d, tok, prompts, refs, args, sampling, tolerance,
                            measured) for name, d in zip(names, drafts)]
     for d, result in zip(drafts, results):
-        save_policy_entry(target, d, result, sampling)
+        if args.tree is None:  # k="auto" learns chains
+            save_policy_entry(target, d, result, sampling)
     return {
         "target": args.target or "bundled demo target",
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "ks": args.ks,
                      "samples": args.samples, "sampling": vars(sampling), "dtype": dtype,
                      "quantized": is_quantized(target),
                      "near_tie_tolerance": tolerance, "sampling_fail_below": P_FAIL,
-                     "device": device_name(), "blas": active_blas(), "quick": args.quick},
+                     "device": device_name(), "blas": active_blas(), "quick": args.quick,
+                     "tree": args.tree},
         "greedy_identical": all(r["greedy_identical"] for r in results),
         "sampling_p_value": min(r["sampling_p_value"] for r in results),
         "drafts": results,
@@ -455,7 +472,8 @@ def format_report(report: dict[str, Any]) -> str:
     """The one-screen text report."""
     s = report["settings"]
     lines = [f"tinydraft-mlx check: {report['target']} ({s['dtype']}, {s['device']}, BLAS "
-             f"{s['blas'].split(' (')[0]}); {s['prompts']} prompts x {s['max_tokens']} tokens"]
+             f"{s['blas'].split(' (')[0]}); {s['prompts']} prompts x {s['max_tokens']} tokens"
+             + (f"; candidate trees of {s['tree']} nodes, k deep" if s.get("tree") else "")]
     for r in report["drafts"]:
         g, c = r["greedy"], r["costs"]
         bad = [d for d in g["divergences"] if not d["near_tie"]]
@@ -483,8 +501,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  acceptance, greedy: " + ", ".join(
             f"k={k} {v['overall']:.2f}" for k, v in acc["greedy"].items())
             + f"; sampled (k=4): {acc['sampled']['acceptance']:.2f}")
-        lines.append("  host overhead per round (beyond k t_d + t_v(k+1)): " + ", ".join(
-            f"k={k} {v:.0%}" for k, v in c["host_overhead_per_round"].items()))
+        if c["host_overhead_per_round"]:  # a chain's cost model (none for trees)
+            lines.append("  host overhead per round (beyond k t_d + t_v(k+1)): " + ", ".join(
+                f"k={k} {v:.0%}" for k, v in c["host_overhead_per_round"].items()))
         if r["plain"]:
             lines.append("  plain decoding against itself (this machine's run-to-run noise): "
                          + ", ".join(f"{v:.2f}x" for v in r["measured_speedup"].values()))
