@@ -5,14 +5,14 @@ of verified positions, and what a tree round's parts cost.
 
 Part 1, tau (tokens per target forward, hardware-independent): each drafter of the demo pair
 (the 0.9M draft model "model", the EAGLE-3 head "eagle3", the DFlash block drafter "dflash"),
-T in {0, 0.7 (unseeded: min(1, p/q) on a chain)}, 3 held-out stdlib prompts
-(bench/demo_quality.py's) x 64 tokens, float32. At N verified draft positions per round (N + 1
-with the root, N in {4, 8, 15}): a chain of k = N against a tree of budget N. A block drafter's
-tree is DDTree's, 15 deep (its block's reach: one draft forward either way); a draft model's or
-a head's tree is its chain of max(2, N // 2) drafts (half the chain's draft steps) with the
-likeliest siblings filling the budget (at T = 0.7 the spine is taken whole and tested by
-rejection, the siblings by the residual's draw). Greedy outputs are checked equal to plain
-decoding's.
+T in {0, 0.7 (unseeded: min(1, p/q) on a chain; each prompt run SAMPLED times)}, 3 held-out
+stdlib prompts (bench/demo_quality.py's) x 64 tokens, float32. At N verified draft positions
+per round (N + 1 with the root, N in {4, 8, 15}): a chain of k = N against a tree of budget N.
+A block drafter's tree is DDTree's, 15 deep (its block's reach: one draft forward either way); a
+draft model's or a head's tree is its chain of max(2, N // 2) drafts (half the chain's draft
+steps) with the likeliest siblings filling the budget (at T = 0.7 the spine is taken whole and
+tested by rejection, the siblings by the residual's draw). Greedy outputs are checked equal to
+plain decoding's.
 
 Part 2, costs of a tree round (demo pair, draft model, budget 16, depth 8, greedy), B in
 {1, 8}: the verify of 17 positions through the tree mask against the chain verify of the same
@@ -23,12 +23,16 @@ each the median of REPEATS timings in one process; shares are of the round.
 Part 3, tokens per second on this machine (greedy, the same 3 prompts x 64 tokens, prefill
 included), each contender in a process of its own after a warm-up generation, SPEED_REPEATS
 runs interleaved, medians: plain decoding, the DFlash drafter's chain (k = 15) and trees
-(budgets 8, 15, 32), the draft model's chain (k = 4) and tree (k = 4, budget 8).
+(budgets 8, 15, 32), the draft model's chain (k = 4) and tree (k = 4, budget 8), and each
+drafter with k = "auto" alone and with tree = 8 (each round the tree or the k = "auto" chain,
+whichever has recently given more tokens per second); k = "auto" starts unlearned in every
+process (TINYDRAFT_POLICY_FILE=off).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,13 +45,16 @@ DRAFTERS = ("model", "eagle3", "dflash")
 POSITIONS = (4, 8, 15)
 TEMPERATURES = (0.0, 0.7)
 PROMPTS, MAX_TOKENS = 3, 64
+SAMPLED = 4  # runs of each prompt at T > 0 (unseeded: tau is an average over draws)
 REPEATS = 20
 SPEED_REPEATS = 3
 # contender -> (drafter, k, tree)
 SPEED = {"plain": (None, 1, None), "dflash chain k=15": ("dflash", 15, None),
          "dflash tree 8": ("dflash", 15, 8), "dflash tree 15": ("dflash", 15, 15),
-         "dflash tree 32": ("dflash", 15, 32), "model chain k=4": ("model", 4, None),
-         "model tree 8": ("model", 4, 8)}
+         "dflash tree 32": ("dflash", 15, 32), "dflash auto": ("dflash", "auto", None),
+         "dflash auto tree 8": ("dflash", "auto", 8), "model chain k=4": ("model", 4, None),
+         "model tree 8": ("model", 4, 8), "model auto": ("model", "auto", None),
+         "model auto tree 8": ("model", "auto", 8)}
 
 
 def _models():
@@ -73,7 +80,8 @@ def tau(target, tok, drafters) -> dict:
                 for shape in ("chain", "tree"):
                     generated = rounds = nodes = 0
                     k = n if shape == "chain" else 15 if name == "dflash" else max(2, n // 2)
-                    for i, p in enumerate(prompts):
+                    # unseeded draws: each prompt SAMPLED times at T > 0
+                    for i, p in enumerate(prompts * (SAMPLED if temperature else 1)):
                         ids, stats = generate(target, drafter, tok, p, max_tokens=MAX_TOKENS,
                                               k=k, tree=n if shape == "tree" else None,
                                               temperature=temperature)
@@ -167,6 +175,7 @@ def _costs(target, draft, prompts: list[list[int]]) -> dict:
 
 def speed_worker(contender: str) -> dict:
     """One contender's tokens per second (Part 3), in this process."""
+    os.environ["TINYDRAFT_POLICY_FILE"] = "off"  # every process starts unlearned
     from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
     from bench.demo_quality import held_out_prompts
     from tinydraft_mlx import generate
@@ -207,6 +216,7 @@ def measure() -> dict:
     report = {"machine": machine(), "settings": {
         "dtype": "float32", "drafters": list(DRAFTERS), "positions": list(POSITIONS),
         "temperatures": list(TEMPERATURES), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+        "sampled_runs": SAMPLED,
         "cost_settings": "draft model, budget 16, depth 8, greedy", "repeats": REPEATS,
         "speed_repeats": SPEED_REPEATS}}
     report["tau"] = tau(target, tok, drafters)

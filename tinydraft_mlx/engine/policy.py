@@ -37,6 +37,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from . import policy_store
+from .sampling import ParameterError
 
 AUTO = "auto"
 DEFAULT_K = AUTO
@@ -186,6 +187,7 @@ class DraftLengthPolicy:
         self.k_max = k_max
         self.regimes: dict[str, Acceptance] = {}
         self.costs: dict[int, RoundCosts] = {}
+        self.trees: dict[tuple, TreeChoice] = {}  # (budget, regime) -> tree or chain
         self.store_key = store_key
         self.last_save = 0.0
         if store_key is not None:
@@ -198,6 +200,13 @@ class DraftLengthPolicy:
         while len(self.regimes) > MAX_REGIMES:
             self.regimes.pop(next(iter(self.regimes)))
         return held
+
+    def tree_choice(self, budget: int, regime: Hashable) -> TreeChoice:
+        """The pair's choice between a tree of `budget` and its chain, in this regime."""
+        key = (budget, _regime_key(regime))
+        if key not in self.trees:
+            self.trees[key] = TreeChoice()
+        return self.trees[key]
 
     def round_costs(self, rows: int) -> RoundCosts:
         bucket = batch_bucket(rows)
@@ -316,3 +325,78 @@ def explain(policy: DraftLengthPolicy, regime: Hashable, rows: int = 1) -> str |
     return (f'k="auto" has learned: a plain round costs {1000 * plain:.1f} ms and a k = {k} '
             f"round {1000 * costs.cost(k):.1f} ms on this machine, the draft's first token is "
             f"accepted {alphas[0]:.0%} of the time, {verdict}")
+
+
+def max_draft_length(source: Any, k: int | str) -> int:
+    """The most tokens a round may draft: 0 without drafting; for k="auto" AUTO_MAX_K, or a
+    block drafter's whole block (`block` - 1: its k costs one draft forward whatever it is), at
+    most what the drafter can propose (`max_k`); else k. ParameterError for a k beyond `max_k`."""
+    if not source.drafts:
+        return 0
+    top = getattr(source, "max_k", None)  # a plug-in written before `max_k` has none
+    if k == AUTO:
+        if getattr(source, "block", None):
+            return top
+        return AUTO_MAX_K if top is None else min(AUTO_MAX_K, top)
+    if top is not None and k > top:
+        raise ParameterError("k", f"at most {top} with the {source.name} drafter (the most it "
+                             "proposes in a round)", k)
+    return k
+
+
+class RecentRate:
+    """One way of drafting's recent rounds (prompt lookup or the model, a tree or a chain):
+    exponential means of the tokens a round gave (its accepted drafts plus the target's own
+    token) and of its seconds; `rate` is tokens per second (None before its first round)."""
+
+    WEIGHT = 0.5  # of the latest round: about the last 2-4 rounds count
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+        self.rounds = 0
+
+    def update(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.rounds == 0 else self.WEIGHT
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.rounds += 1
+
+    @property
+    def rate(self) -> float | None:
+        return None if self.rounds == 0 else self.tokens / max(self.seconds, 1e-9)
+
+
+class TreeChoice:
+    """k="auto" with a node budget: each round either a tree of the budget (the drafter's
+    reach deep) or the k="auto" chain (whose k may be 0: a plain step), whichever has recently
+    given more tokens per second (`RecentRate`); one per pair, budget and sampling regime
+    (`DraftLengthPolicy.tree_choice`), learned across its generations. Each is tried first; a
+    losing tree is tried again after `RETRY` chain rounds (what it gives changes with the
+    text), and after twice as many each time it loses again (at most `MAX_WAIT`), so that a
+    tree that does not pay costs little. Exact either way: the choice reads only rounds already
+    emitted."""
+
+    RETRY, MAX_WAIT = 8, 256
+
+    def __init__(self) -> None:
+        self.recent = {True: RecentRate(), False: RecentRate()}
+        self._since_tree = 0
+        self._wait = self.RETRY
+
+    def _ahead(self) -> bool:
+        tree, chain = self.recent[True].rate, self.recent[False].rate
+        return tree is not None and chain is not None and tree >= chain
+
+    def tree(self) -> bool:
+        """Whether this round verifies the tree."""
+        if self.recent[True].rate is None or self.recent[False].rate is None:
+            return self.recent[True].rate is None
+        return self._ahead() or self._since_tree >= self._wait
+
+    def book(self, tree: bool, tokens: int, seconds: float) -> None:
+        """A round of that kind gave `tokens` in `seconds`."""
+        retried = tree and self._since_tree > 0
+        self.recent[tree].update(tokens, seconds)
+        self._since_tree = 0 if tree else self._since_tree + 1
+        if retried:  # a retry: wait longer after a loss, as at first after a win
+            self._wait = self.RETRY if self._ahead() else min(2 * self._wait, self.MAX_WAIT)

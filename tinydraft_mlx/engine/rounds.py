@@ -53,10 +53,18 @@ from .bitwise import refusal as bitwise_refusal
 from .cache import KEEP, Cache, cache_length, can_cut, cut, layer_kinds, make_cache, rollback
 from .cache.batch import BatchCache, SingleCache
 from .distributed import ranks_of
-from .drafters import Drafting, Proposals, Source, resolve_drafter
+from .drafters import Drafting, Proposals, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
 from .hidden import capture
-from .policy import AUTO, AUTO_MAX_K, DEFAULT_K, choose, sampling_regime, shared_policy
+from .policy import (
+    AUTO,
+    AUTO_MAX_K,
+    DEFAULT_K,
+    choose,
+    max_draft_length,
+    sampling_regime,
+    shared_policy,
+)
 from .sampling import ParameterError, Processor, SamplingParams
 from .sampling.rejection import greedy_accept_ids
 from .sequence import Finished, Row, Token
@@ -73,23 +81,6 @@ Progress = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens
 
 def _progress(progress: Progress, total: int) -> Callable[[int], None]:
     return lambda done: progress(done, total)
-
-
-def max_draft_length(source: Source, k: int | str) -> int:
-    """The most tokens a round may draft: 0 without drafting; for k="auto" AUTO_MAX_K, or a
-    block drafter's whole block (`block` - 1: its k costs one draft forward whatever it is), at
-    most what the drafter can propose (`max_k`); else k. ParameterError for a k beyond `max_k`."""
-    if not source.drafts:
-        return 0
-    top = getattr(source, "max_k", None)  # a plug-in written before `max_k` has none
-    if k == AUTO:
-        if getattr(source, "block", None):
-            return top
-        return AUTO_MAX_K if top is None else min(AUTO_MAX_K, top)
-    if top is not None and k > top:
-        raise ParameterError("k", f"at most {top} with the {source.name} drafter (the most it "
-                             "proposes in a round)", k)
-    return k
 
 
 def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
@@ -193,7 +184,8 @@ class BatchDecoder:
         caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
         `keep_caches`: keep the sequence's caches for `remove` / `finished`; `tree`: verify
         candidate trees of at most this many nodes (trees.py; k is their depth limit, and
-        k="auto" the drafter's reach) instead of chains."""
+        with k="auto" each round the tree, its drafter's reach deep, or the k="auto" chain:
+        `TreeChoice`) instead of chains."""
         if not prompt:
             raise ParameterError("prompt", "at least one token", prompt)
         if self.single and len(self):
@@ -239,9 +231,11 @@ class BatchDecoder:
                    mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
                    max_tokens, list(logits_processors), stats, logprobs, keep_caches,
                    target_cache=target_cache, draft_cache=draft_cache, tree=tree)
-        if k == AUTO and source.drafts and tree is None:
+        if k == AUTO and source.drafts:
             pair = shared_policy(self.target, source.policy_key, max(AUTO_MAX_K, reach))
             row.acceptance = pair.acceptance(sampling_regime(sampling))
+            if tree is not None:  # each round the tree or the k="auto" chain
+                row.choice = pair.tree_choice(tree, sampling_regime(sampling))
             stats.policy = pair
         self.pending.append(row)
         return row.uid
@@ -376,13 +370,16 @@ class BatchDecoder:
         start, traced = time.perf_counter(), trace_count()  # the round, not the prefill
         if queued is None:
             self._choose(self._chosen)
-            for row in self.rows:
+            for row in self.rows:  # this round's tree budgets (and a tree's depth)
+                row.budget = row.tree if row.choice is None or row.choice.tree() else None
+                if row.budget and row.choice is not None:
+                    row.round_k = max(0, min(row.k_cap, row.max_tokens - row.generated - 1))
                 row.split()
             with mx.stream(self.stream):
                 proposals = self.drafting.propose(self.rows, [r.round_k for r in self.rows])
                 for row, k in zip(self.rows, proposals.ks):
                     row.round_k = k  # a host source may offer fewer than asked
-                grown = any(r.tree and r.round_k for r in self.rows)
+                grown = any(r.budget and r.round_k for r in self.rows)
                 results = (self._verify_trees(proposals, shapes(self.rows, proposals))
                            if grown else self._verify(proposals))
         else:
@@ -418,6 +415,7 @@ class BatchDecoder:
         return (not self.pending and not self._joined
                 and not any(r.processors for r in self.rows)
                 and not self.drafting.reads_target(self.rows)
+                and not any(r.choice is not None and r.choice.tree() for r in self.rows)
                 and not (self.ranks and any(r.acceptance is not None for r in self.rows))
                 and any(r.generated + 1 < r.max_tokens for r in self.rows))
 
@@ -486,7 +484,8 @@ class BatchDecoder:
         with capture() if reads else nullcontext([]) as seen:
             logits = tree_forward(self.target, self.target_cache,
                                   model_inputs(self.target, tokens), depths, ancestors)
-        grown = {b: t for b, (r, t) in enumerate(zip(self.rows, trees)) if r.tree and r.round_k}
+        grown = {b: t for b, (r, t) in enumerate(zip(self.rows, trees))
+                 if r.budget and r.round_k}
         ks = [r.round_k for r in self.rows]
         for b in grown:  # chain rows as ever; tree rows' chain results are not read
             self.rows[b].round_k = 0
@@ -540,7 +539,9 @@ class BatchDecoder:
             row.stats.record_round(k, n, max(row.shape.depths) if row.shape else None)
             row.stats.decode_seconds += elapsed
             row.stats.peak_memory = peak
-            if row.acceptance is not None and k:
+            if row.choice is not None:
+                row.choice.book(row.shape is not None, len(tokens), elapsed)
+            if row.acceptance is not None and k and row.shape is None:
                 row.acceptance.update(k, n)
             out[row.uid] = self._emit(row, tokens, n, logits, finished)
             keep.append(len(row.seq) - 1 + ahead)
@@ -551,12 +552,14 @@ class BatchDecoder:
             seen = None if seen is None else in_path_order(seen, paths)
         self.target_cache.rollback(keep)
         self.drafting.commit(self.rows, befores, proposals, seen)
-        for row in self.rows:
-            row.shape = row.draft_end = None
         if timed:
             for auto in self._auto_pairs().values():
+                if any(r.shape is not None for r in auto):
+                    continue  # a tree's round is not a chain's cost
                 k = max(r.round_k for r in auto)
                 auto[0].stats.policy.round_costs(len(self.rows)).update(k, elapsed)
+        for row in self.rows:
+            row.shape = row.draft_end = None
         if finished:
             for uid, done in self._leave(finished).items():
                 if done.target_cache is not None:

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .cache import Cache
 from .drafters import Source
-from .policy import Acceptance
+from .policy import Acceptance, TreeChoice
 from .sampling import Processor, SamplingParams
 from .stats import GenerationStats
 from .trees import Tree
@@ -69,6 +69,8 @@ class Row:
     draft_key: mx.array | None = None  # this round's keys (None when greedy)
     verify_key: mx.array | None = None
     tree: int | None = None  # a candidate tree's node budget (trees.py); None: a chain
+    choice: TreeChoice | None = None  # k="auto" with a budget: tree or chain, per round
+    budget: int | None = None  # this round's tree budget (None: a chain)
     shape: Tree | None = None  # this round's tree
     draft_end: int | None = None  # after a tree round: how far a draft model's view still holds
 

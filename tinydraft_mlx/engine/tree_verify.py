@@ -93,13 +93,13 @@ def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
     """Every row's tree for this round, from the proposals' step logits (the top candidates of
     each depth, read in one transfer with the chain's ids), or a host drafter's continuations
     (`Source.host_tree`); a chain where the row asks for none or its drafter gives neither."""
-    grown = [b for b, r in enumerate(rows) if r.tree and r.round_k and proposals.logits
+    grown = [b for b, r in enumerate(rows) if r.budget and r.round_k and proposals.logits
              and proposals.logits[b] is not None]
     tops = {}
     for b in grown:
         logits = proposals.logits[b].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        m = min(BRANCH, rows[b].tree, logprobs.shape[-1])
+        m = min(BRANCH, rows[b].budget, logprobs.shape[-1])
         ids = mx.argpartition(-logprobs, m - 1, axis=-1)[:, :m]
         tops[b] = (ids, mx.take_along_axis(logprobs, ids, axis=-1))
     mx.eval(list(tops.values()))
@@ -109,9 +109,9 @@ def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
         drafts = drafted[b][: row.round_k]
         if b not in tops:
             host = getattr(row.source, "host_tree", None)  # a plug-in may predate it
-            branches = (host(row.round_k, row.tree) if row.tree and row.round_k and host
+            branches = (host(row.round_k, row.budget) if row.budget and row.round_k and host
                         and proposals.chain_rows[b] is None else [])
-            out.append(trie(row.seq[-1], branches, row.tree) if branches
+            out.append(trie(row.seq[-1], branches, row.budget) if branches
                        else chain(row.seq[-1], drafts))
             continue
         ids, values = (a.tolist() for a in tops[b])
@@ -120,7 +120,7 @@ def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
         # an unseeded sampled spine is tested by rejection (`choices`): taken whole first
         tested = not row.sampling.greedy and row.sampling.seed is None and \
             proposals.q[b] is not None
-        out.append(grow(row.seq[-1], row.tree, [[i for _, i in r] for r in ranked],
+        out.append(grow(row.seq[-1], row.budget, [[i for _, i in r] for r in ranked],
                         [[v for v, _ in r] for r in ranked],
                         None if proposals.marginal[b] else drafts, tested=tested))
     return out

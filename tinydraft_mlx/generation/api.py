@@ -118,8 +118,9 @@ def stream_generate(
     chat_template, bitwise, tree); giving both is refused.
     tree: verify a tree of at most this many candidate tokens (1..64) a round instead of a chain
     of k (engine/trees.py: the drafter's most probable continuations, DDTree's best-first
-    expansion for a block drafter; k is the tree's depth limit, "auto" the drafter's reach).
-    Exact as chains are; full-attention targets, no logits processors.
+    expansion for a block drafter; k is the tree's depth limit; with k="auto" each round takes
+    the tree, the drafter's reach deep, or the k="auto" chain, whichever has recently paid more).
+    Exact as chains are; attention targets (no recurrent layers), no logits processors.
     """
     given = dict(k=k, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  min_p=min_p, seed=seed, max_kv_size=max_kv_size,

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from ..cache import Cache, cache_length, make_cache
 from ..forward import prefill
 from ..hidden import StateHead, watch
+from ..policy import RecentRate
 from ..policy_store import fingerprint
 from ..sampling import ParameterError
 from .chains import Chain, HeadCache, HeadChain, ModelChain
@@ -150,28 +151,6 @@ class Hybrid:
         self.model, self.lookup = model, lookup or PromptLookup()
 
 
-class _Recent:
-    """One source's recent rounds: exponential means of the tokens a round gave (its accepted
-    drafts plus the target's own token) and of its seconds; `rate` is tokens per second (None
-    before its first round)."""
-
-    WEIGHT = 0.5  # of the latest round: about the last 2-4 rounds count
-
-    def __init__(self) -> None:
-        self.tokens = self.seconds = 0.0
-        self.rounds = 0
-
-    def update(self, tokens: int, seconds: float) -> None:
-        w = 1.0 if self.rounds == 0 else self.WEIGHT
-        self.tokens += w * (tokens - self.tokens)
-        self.seconds += w * (seconds - self.seconds)
-        self.rounds += 1
-
-    @property
-    def rate(self) -> float | None:
-        return None if self.rounds == 0 else self.tokens / max(self.seconds, 1e-9)
-
-
 class HybridDraft:
     """Prompt lookup and a draft model. Per round, when the index has a match, the match is
     proposed if lookup has not been tried yet, or if its recent rounds have given at least as
@@ -194,7 +173,7 @@ class HybridDraft:
         self.lookup = LookupDraft(hybrid.lookup)
         # a string (as a model-free drafter's), stable across processes for the policy file
         self.policy_key = f"{HYBRID}:{fingerprint(hybrid.model)}:{hybrid.lookup!r}"
-        self.recent = {PROMPT_LOOKUP: _Recent(), MODEL: _Recent()}
+        self.recent = {PROMPT_LOOKUP: RecentRate(), MODEL: RecentRate()}
         self.seq: list[int] = []
         self._source: str | None = None  # this round's, until its acceptance is known
         self._start = 0  # seq's length at the proposal
