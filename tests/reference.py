@@ -235,3 +235,16 @@ def assert_block_context(drafter, oracle, seq: list[int], kept) -> None:
         n = ours.offset
         for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
             assert float(mx.abs(a[..., :n, :] - b[..., :n, :]).max()) < 1e-4
+
+
+def kept_rows(decoder, ids: list[int], rows: int, **insert) -> list:
+    """`rows` sequences after `ids`, seeded 0..rows-1 at T = 1 (drafts accepted and rejected),
+    each keeping its caches (`insert`: more arguments of every row), decoded to their end:
+    [(prompt + generated, Finished)]."""
+    from tinydraft_mlx import SamplingParams
+
+    uids = [decoder.insert(ids, keep_caches=True, sampling=SamplingParams(1.0, seed=seed),
+                           **insert) for seed in range(rows)]
+    while not all(uid in decoder.finished for uid in uids):
+        decoder.step()
+    return [(ids + decoder.finished[uid].tokens, decoder.finished[uid]) for uid in uids]

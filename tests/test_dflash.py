@@ -261,25 +261,21 @@ def test_a_seed_fixes_the_text_at_any_block_length_and_batch(eagle, dflash, dfla
 
 
 @pytest.mark.usefixtures("cpu_fp32")
-def test_the_context_cache_holds_the_oracle_states_of_accepted_positions(eagle, dflash):
+@pytest.mark.parametrize("tree", [None, 12])
+def test_the_context_cache_holds_the_oracle_states_of_accepted_positions(eagle, dflash, tree):
     """Eight seeded sampled rows (T = 1, where the random target's drafts are accepted more
     often than greedy) in one batch, after rounds that accepted and rejected: each row's drafter
     cache (kept by the row) == the drafter's keys/values of the transformers oracle's states of
-    its final sequence, written in one go; nothing of a rejected block stays."""
-    from tests.reference import assert_block_context
-    from tinydraft_mlx import BatchDecoder, SamplingParams
+    its final sequence, written in one go; nothing of a rejected block stays. With candidate
+    trees (budget 12) too: the states of a walked path off the first branch, nothing of the
+    other branches."""
+    from tests.reference import assert_block_context, kept_rows
+    from tinydraft_mlx import BatchDecoder
 
     _, _, (target, _, _), _, refs, oracle = eagle
-    decoder = BatchDecoder(target, dflash)
-    ids, _ = refs[0]
-    uids = [decoder.insert(ids, draft=dflash, k=7, max_tokens=NEW, keep_caches=True,
-                           sampling=SamplingParams(1.0, seed=seed)) for seed in range(8)]
-    while not all(uid in decoder.finished for uid in uids):
-        decoder.step()
     accepted = 0
-    for uid in uids:
-        done = decoder.finished[uid]
-        seq = ids + done.tokens
+    for seq, done in kept_rows(BatchDecoder(target, dflash), refs[0][0], 8, draft=dflash, k=7,
+                               max_tokens=NEW, tree=tree):
         accepted += done.stats.accepted
         assert done.stats.drafted > done.stats.accepted
         kept = done.draft_cache
