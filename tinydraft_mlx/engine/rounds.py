@@ -228,9 +228,9 @@ class BatchDecoder:
         stats = GenerationStats(k=k if source.drafts else 0, prompt_tokens=len(prompt),
                                 cached_tokens=cache_length(target_cache), tree=tree)
         row = Row(self._uid, list(prompt), len(prompt), source, k_cap, sampling,
-                   mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
-                   max_tokens, list(logits_processors), stats, logprobs, keep_caches,
-                   target_cache=target_cache, draft_cache=draft_cache, tree=tree)
+                  mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
+                  max_tokens, list(logits_processors), stats, logprobs, keep_caches,
+                  target_cache=target_cache, draft_cache=draft_cache, tree=tree)
         if k == AUTO and source.drafts:
             pair = shared_policy(self.target, source.policy_key, max(AUTO_MAX_K, reach))
             row.acceptance = pair.acceptance(sampling_regime(sampling))

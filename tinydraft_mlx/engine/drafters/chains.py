@@ -49,7 +49,8 @@ class Chain:
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         self.model, self.caches, self.chunk, self.width = model, caches, chunk, width
         self.uids: list[int] = []  # its rows, in cache row order
-        self.logits: mx.array | None = None  # the latest run's (rows, steps, Vq) step logits
+        # the latest run's (rows, steps, Vq) step logits, where a row grows a tree from them
+        self.logits: mx.array | None = None
 
     # -- rows in and out ---------------------------------------------------------------------
     def admit(self, row: Any, cache: Cache, budget: int | None, seen: list,
@@ -180,7 +181,9 @@ class Chain:
                 token = self._step(rows, ks, i, logits, histories, qs, keys, chain)
             mx.async_eval(token)
             chain.append(token)
-        self.logits = mx.stack(steps, axis=1)
+        # kept only where a row grows a tree this round (they hold rows x steps x Vq floats)
+        trees = any(getattr(r, "budget", None) for r in rows)
+        self.logits = mx.stack(steps, axis=1) if trees else None
         return mx.stack(chain, axis=1), [mx.stack(qs[j]) if j in qs else None
                                          for j in range(len(rows))]
 

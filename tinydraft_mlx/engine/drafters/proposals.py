@@ -195,7 +195,8 @@ class Drafting:
             for j, (b, _, k) in enumerate(ordered):
                 if k:
                     chain_rows[b], q[b] = at + j, qs[j]
-                    logits[b], marginal[b] = chain.logits[j, :k], chain.marginal
+                    if chain.logits is not None:
+                        logits[b], marginal[b] = chain.logits[j, :k], chain.marginal
             parts.append(ids)
             at += ids.shape[0]
         steps = max((p.shape[1] for p in parts), default=0)
