@@ -120,8 +120,7 @@ class BatchDecoder:
         self.target, self.draft = target, draft
         self.max_kv_size, self.max_k, self.prefill_step = max_kv_size, max_k, prefill_step
         self.margin = max_k + 1
-        kinds = self._kinds = {id(m): layer_kinds(m) for m in (target, base.model)
-                               if m is not None}
+        kinds = {id(m): layer_kinds(m) for m in (target, base.model) if m is not None}
         # bounded and sliding-window rows, and recurrent ones, roll back at most margin + 1
         # positions: k is at most max_k, and a batch's padded catch-up forwards are no longer
         self.limited = max_kv_size is not None or any(
@@ -193,10 +192,8 @@ class BatchDecoder:
                              "tensor-parallel target, or layers a batch cannot hold)")
         source = resolve_drafter(draft, self.draft, self.target)
         check_budget(tree, MAX_TREE)
-        stateful = self.ranks is not None or any(  # the layers a tree cannot branch
-            kinds is None or "recurrent" in kinds for kinds in self._kinds.values())
         if tree is not None and (why := tree_refusal(self.target, source, logits_processors,
-                                                     self.bitwise, stateful)):
+                                                     self.bitwise)):
             raise ParameterError("tree", why, tree)
         if tree is not None and self.limited and tree > self.max_k:
             raise ParameterError("tree", f"at most max_k = {self.max_k} with bounded or "

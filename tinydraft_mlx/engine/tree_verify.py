@@ -30,8 +30,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache.kv import ring_slots, slot_positions
-from .sampling import ParameterError, seeded, warp
+from .cache.kv import layer_kinds, ring_slots, slot_positions
+from .distributed import ranks_of
+from .sampling import ParameterError, check_int, seeded, warp
 from .sampling.rejection import rejection_steps
 from .trees import BRANCH, Tree, chain, grow, trie
 
@@ -278,11 +279,13 @@ def in_path_order(seen: list, paths: list[list[int]]) -> list:
     return out
 
 
-def refusal(model: nn.Module, source: Any, processors: Any, bitwise: bool,
-            stateful: bool) -> str | None:
+def refusal(model: nn.Module, source: Any, processors: Any, bitwise: bool) -> str | None:
     """Why a row with this drafter and these processors cannot verify trees on `model` (None:
-    it can). `stateful`: the models hold recurrent layers (or layers of a kind a batch does
-    not hold), or the target is tensor-parallel."""
+    it can): no drafter, processors, bitwise, recurrent layers (or layers of a kind a batch
+    does not hold) in the target or the drafter's model, a tensor-parallel target, no rope."""
+    models = [m for m in (model, source.model) if m is not None]
+    stateful = ranks_of(model) is not None or any(  # the layers a tree cannot branch
+        kind == "recurrent" for m in models for kind in layer_kinds(m) or ["recurrent"])
     if not source.drafts:
         return "None without a drafter (a tree holds its proposals)"
     if processors:
@@ -301,5 +304,8 @@ def check_budget(tree: object, top: int) -> None:
     """ParameterError unless `tree` is None or an int in [1, top]."""
     if tree is None:
         return
-    if isinstance(tree, bool) or not isinstance(tree, int) or not 1 <= tree <= top:
-        raise ParameterError("tree", f"None or an integer node budget in [1, {top}]", tree)
+    try:
+        check_int("tree", tree, 1, top)
+    except ParameterError:
+        raise ParameterError("tree", f"None or an integer node budget in [1, {top}]",
+                             tree) from None

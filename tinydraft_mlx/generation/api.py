@@ -15,8 +15,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..engine.bitwise import refusal as bitwise_refusal
-from ..engine.cache import KEEP, Cache, cache_length, layer_kinds, make_cache
-from ..engine.distributed import ranks_of
+from ..engine.cache import KEEP, Cache, cache_length, make_cache
 from ..engine.drafters import Source, resolve_drafter
 from ..engine.drafters.lookup import PromptLookup
 from ..engine.forward import vocab_width
@@ -249,10 +248,7 @@ def check_tree(target: nn.Module, drafter: Source, options: Options,
     hold in the target or the draft model, a tensor-parallel target)."""
     if options.tree is None:
         return
-    models = [m for m in (target, drafter.model) if m is not None]
-    stateful = ranks_of(target) is not None or any(
-        kind == "recurrent" for m in models for kind in layer_kinds(m) or ["recurrent"])
-    why = tree_refusal(target, drafter, options.processors(), options.bitwise, stateful)
+    why = tree_refusal(target, drafter, options.processors(), options.bitwise)
     if why is None and max_kv_size is not None and KEEP + options.tree + 1 > max_kv_size:
         why = (f"at most {max_kv_size - KEEP - 1} with max_kv_size {max_kv_size} (a round of "
                f"tree=N writes N + 1 positions beside the {KEEP} kept)")
