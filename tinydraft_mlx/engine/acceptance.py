@@ -19,7 +19,7 @@ processors) sample softmax(x / T) directly, all rows of one temperature in one d
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import mlx.core as mx
@@ -49,23 +49,27 @@ def _processed(row: Any, b: int, proposals: Proposals, logits: mx.array) -> mx.a
 
 
 def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
-           shared_key: Callable[[], mx.array], ahead: int = 0) -> tuple[list, list]:
+           shared_key: Callable[[], mx.array], ahead: int = 0,
+           skip: Collection[int] = ()) -> tuple[list, list]:
     """(per row: its greedy argmaxes or [n, token] / [token]; per row: its processed logits
     where it wants log-probabilities, else None). `logits`: (B, L, V); `shared_key()` a fresh
     key for unseeded rows' joint draws; `ahead`: tokens each row will have emitted before this
-    round's first (1 for a plain round queued ahead of the current one's read)."""
-    simple = [not r.processors and r.sampling.greedy for r in rows]
+    round's first (1 for a plain round queued ahead of the current one's read); `skip`: rows
+    whose verify is another rule's (candidate trees: tree_verify.py), left None in both."""
+    simple = [j not in skip and not r.processors and r.sampling.greedy
+              for j, r in enumerate(rows)]
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(simple) else None
     results: list[mx.array | None] = [None] * len(rows)
     kept: list[mx.array | None] = [None] * len(rows)
-    for members in sampling_groups(rows, lambda j, r: _scaled_draw(r)).values():
+    for members in sampling_groups(rows, lambda j, r: j not in skip and _scaled_draw(r)).values():
         scaled = logits[mx.array(members), 0].astype(mx.float32) / rows[
             members[0]].sampling.temperature
         tokens = sample_rows(mx.softmax(scaled, axis=-1), shared_key())
         for i, j in enumerate(members):
             results[j] = tokens[i : i + 1]
-    for members in sampling_groups(rows, lambda j, r: not r.sampling.greedy and not r.processors
-                                   and r.sampling.seed is None and not _scaled_draw(r)).values():
+    for members in sampling_groups(rows, lambda j, r: j not in skip and not r.sampling.greedy
+                                   and not r.processors and r.sampling.seed is None
+                                   and not _scaled_draw(r)).values():
         # unseeded rows of one regime and one k (one sequence, or a uniform batch): the warp
         # and the draw or the acceptance rule in one compiled graph, as `decode` ran them
         k, sampling = rows[members[0]].round_k, rows[members[0]].sampling
@@ -85,12 +89,15 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
         for j, pair in zip(members, pairs):
             results[j] = pair
     warped: dict[int, mx.array] = {}  # row -> its warped p (other sampled rows, no processors)
-    for members in sampling_groups(rows, lambda j, r: not r.sampling.greedy and not r.processors
-                                   and not _scaled_draw(r) and results[j] is None).values():
+    for members in sampling_groups(rows, lambda j, r: j not in skip and not r.sampling.greedy
+                                   and not r.processors and not _scaled_draw(r)
+                                   and results[j] is None).values():
         probs = warp(logits[mx.array(members)], rows[members[0]].sampling)  # one warp
         warped.update({j: probs[i : i + 1] for i, j in enumerate(members)})
     plain_shared = []  # unseeded plain rows: drawn together
     for j, row in enumerate(rows):
+        if j in skip:
+            continue
         k = row.round_k
         row_logits = _processed(row, j, proposals, logits)
         kept[j] = row_logits if row.logprobs else None

@@ -483,14 +483,7 @@ class BatchDecoder:
                                   model_inputs(self.target, tokens), depths, ancestors)
         grown = {b: t for b, (r, t) in enumerate(zip(self.rows, trees))
                  if r.budget and r.round_k}
-        ks = [r.round_k for r in self.rows]
-        for b in grown:  # chain rows as ever; tree rows' chain results are not read
-            self.rows[b].round_k = 0
-        try:
-            results, kept = verify(self.rows, proposals, logits, self._shared_key)
-        finally:
-            for row, k in zip(self.rows, ks):
-                row.round_k = k
+        results, kept = verify(self.rows, proposals, logits, self._shared_key, skip=grown)
         for b, chosen in choices(self.rows, grown, logits, proposals).items():
             results[b], kept[b] = chosen, logits[b : b + 1] if self.rows[b].logprobs else None
             self.rows[b].shape = grown[b]
