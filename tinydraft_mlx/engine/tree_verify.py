@@ -272,7 +272,7 @@ def in_path_order(seen: list, paths: list[list[int]]) -> list:
     for tag, state in seen:
         if state.ndim == 3 and state.shape[0] == len(paths):
             width = state.shape[1]
-            order = mx.array([p + [i for i in range(width) if i not in set(p)] for p in paths],
+            order = mx.array([p + sorted(set(range(width)) - set(p)) for p in paths],
                              dtype=mx.int32)
             state = mx.take_along_axis(state, order[:, :, None], axis=1)
         out.append((tag, state))

@@ -182,14 +182,13 @@ def grow(last: int, budget: int, ids: list[list[int]], logprobs: list[list[float
         tokens.append(drafts[depth - 1] if rank < 0 else ids[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
-        base = score - (spine_score(depth) if rank < 0 else logprobs[depth - 1][rank])
         if rank < 0:  # the spine: its next node, and that depth's first siblings
             spine.append(node)
             if depth < depth_limit:
                 push(score + spine_score(depth + 1), node, depth + 1, -1)
                 sibling(score, node, depth + 1, 0)
-        else:
-            sibling(base, parent, depth, rank + 1)
+        else:  # the next sibling scores from the parent's path
+            sibling(score - logprobs[depth - 1][rank], parent, depth, rank + 1)
             if drafts is None and depth < depth_limit:
                 push(score + logprobs[depth][0], node, depth + 1, 0)
     return Tree(tokens, parents, depths, spine, tested=tested and bool(spine))
