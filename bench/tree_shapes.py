@@ -68,10 +68,10 @@ def worker() -> dict:
     def tree(n: int):
         shape = Tree([11] * n, [-1] + [(i - 1) // 2 for i in range(1, n)],
                      [0] + [(i + 1).bit_length() - 1 for i in range(1, n)])
-        tokens, depths, ancestors = layout([shape])
+        placed = layout([shape])
 
         def run():
-            out = forward(target, rows, tokens, depths, ancestors)
+            out = forward(target, rows, placed.tokens, placed)
             rows.rollback(lengths)
             return out
         return run

@@ -137,13 +137,14 @@ def _costs(target, draft, prompts: list[list[int]]) -> dict:
     proposals = decoder.drafting.propose(rows, [8] * len(rows))
     mx.eval(proposals.chain)
     trees = shapes(rows, proposals)
-    tokens, depths, ancestors = layout(trees)
+    placed = layout(trees)
+    tokens = placed.tokens
     lengths = list(cache.lengths)
     # a path of 4 nodes and the last node per row (a commit that moves keys)
     paths = [list(range(min(len(t), 4))) + ([len(t) - 1] if len(t) > 4 else []) for t in trees]
 
     def verify_tree():
-        logits = forward(target, cache, tokens, depths, ancestors)
+        logits = forward(target, cache, tokens, placed)
         cache.rollback(lengths)
         return logits
 

@@ -245,8 +245,8 @@ def test_tree_logits_equal_the_oracle_along_every_branch(eagle):
         solo.append(cache)
     rows.add(solo)
     trees = [_random_tree(rng, prompts[0][-1], 12, 200), _random_tree(rng, prompts[1][-1], 7, 200)]
-    tokens, depths, ancestors = layout(trees)
-    logits = forward(target, rows, tokens, depths, ancestors)
+    placed = layout(trees)
+    logits = forward(target, rows, placed.tokens, placed)
     worst = 0.0
     for b, (ids, tree) in enumerate(zip(prompts, trees)):
         for i in range(len(tree)):

@@ -196,8 +196,8 @@ class BatchDecoder:
                                                      self.bitwise)):
             raise ParameterError("tree", why, tree)
         if tree is not None and self.limited and tree > self.max_k:
-            raise ParameterError("tree", f"at most max_k = {self.max_k} with bounded or "
-                                 "sliding-window layers (their rollback margin)", tree)
+            raise ParameterError("tree", f"at most max_k = {self.max_k} with bounded, "
+                                 "sliding-window or recurrent layers (their rollback margin)", tree)
         if source.model is not None and not (self.drafting.has(source.model)
                                              or source.reads_target):
             raise ParameterError("draft", "the batch's draft model, a head of its target, "
@@ -476,11 +476,11 @@ class BatchDecoder:
         """`_verify` for a round in which rows verify trees (`trees`: every row's, a chain where
         it asks for none; tree_verify.py): a tree row's result is the target's choice at each
         of its nodes, its kept logits all of its nodes' (the commit takes its path's)."""
-        tokens, depths, ancestors = layout(trees)
+        placed = layout(trees)
         reads = self.drafting.reads_target(self.rows)
         with capture() if reads else nullcontext([]) as seen:
             logits = tree_forward(self.target, self.target_cache,
-                                  model_inputs(self.target, tokens), depths, ancestors)
+                                  model_inputs(self.target, placed.tokens), placed)
         grown = {b: t for b, (r, t) in enumerate(zip(self.rows, trees))
                  if r.budget and r.round_k}
         results, kept = verify(self.rows, proposals, logits, self._shared_key, skip=grown)
@@ -537,8 +537,7 @@ class BatchDecoder:
             keep.append(len(row.seq) - 1 + ahead)
             paths.append(path)
         if any(r.shape is not None for r in self.rows):  # the walked paths into place
-            compact([layer for layer in self.target_cache.layers if hasattr(layer, "keys")],
-                    [b - 1 for b in befores], paths)
+            compact(self.target_cache.layers, [b - 1 for b in befores], paths)
             seen = None if seen is None else in_path_order(seen, paths)
         self.target_cache.rollback(keep)
         self.drafting.commit(self.rows, befores, proposals, seen)

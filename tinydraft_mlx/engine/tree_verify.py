@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cache.branches import branching
 from .cache.kv import layer_kinds, ring_slots, slot_positions
+from .cache.recurrent import RecurrentCache, model_kind
 from .distributed import ranks_of
 from .sampling import ParameterError, check_int, seeded, warp
 from .sampling.rejection import rejection_steps
@@ -127,22 +129,33 @@ def shapes(rows: list[Any], proposals: Any) -> list[Tree]:
     return out
 
 
-def layout(trees: list[Tree]) -> tuple[mx.array, mx.array, mx.array]:
-    """(tokens (B, L) int32, depths (B, L) int32, ancestors (B, L, L) bool) of the rows' trees,
-    right-padded to the widest (padding continues as a chain)."""
+class Layout(NamedTuple):
+    """The rows' trees laid out for one forward: `tokens` (B, L) int32, `depths` (B, L) int32,
+    `ancestors` (B, L, L) bool (i sees j), `parents` (host: each row's parent index per node,
+    -1 for the root; padding continues as a chain)."""
+
+    tokens: mx.array
+    depths: mx.array
+    ancestors: mx.array
+    parents: list[list[int]]
+
+
+def layout(trees: list[Tree]) -> Layout:
+    """The rows' trees as one forward's positions, right-padded to the widest."""
     width = max(len(t) for t in trees)
-    tokens, depths, anc = [], [], []
+    tokens, depths, anc, parents = [], [], [], []
     for tree in trees:
         n = len(tree)
         tokens.append(tree.tokens + [0] * (width - n))
         depths.append(tree.depths + [tree.depths[-1] + 1 + i for i in range(width - n)])
+        parents.append(tree.parents + list(range(n - 1, width - 1)))
         rows = []
         for i in range(width):
             seen = set(tree.ancestors(i)) if i < n else set(range(i + 1))
             rows.append([j in seen for j in range(width)])
         anc.append(rows)
-    return (mx.array(tokens, dtype=mx.int32), mx.array(depths, dtype=mx.int32),
-            mx.array(anc, dtype=mx.bool_))
+    return Layout(mx.array(tokens, dtype=mx.int32), mx.array(depths, dtype=mx.int32),
+                  mx.array(anc, dtype=mx.bool_), parents)
 
 
 def _ring(layer: Any) -> tuple[int, int, int] | None:
@@ -181,11 +194,13 @@ def _mask(ring: tuple[int, int, int] | None, lengths: mx.array, read: int, depth
     return (seen[:, None, :] | tree)[:, None]
 
 
-def forward(model: nn.Module, rows: Any, tokens: mx.array, depths: mx.array,
-            ancestors: mx.array, **inputs: Any) -> mx.array:
-    """(B, L) node ids -> (B, L, V) logits, each row's nodes as the module docstring says;
-    `rows`: a `BatchCache` or a `SingleCache` (every row advances by L, as any verify). A ring
-    layer (bounded, sliding-window) takes at most its margin + 1 nodes (the caller's check)."""
+def forward(model: nn.Module, rows: Any, tokens: mx.array, placed: Layout,
+            **inputs: Any) -> mx.array:
+    """(B, L) node ids (`placed.tokens`, or the model's inputs made of them) -> (B, L, V)
+    logits, each row's nodes as the module docstring says; `rows`: a `BatchCache` or a
+    `SingleCache` (every row advances by L, as any verify). Recurrent layers run along each
+    row's branches (cache/branches.py). A ring layer (bounded, sliding-window) or a recurrent
+    one takes at most its margin + 1 nodes (the caller's check)."""
     n = tokens.shape[1]
     lengths = mx.array(rows.lengths, dtype=mx.int32)
     if hasattr(rows, "reserve"):
@@ -194,11 +209,14 @@ def forward(model: nn.Module, rows: Any, tokens: mx.array, depths: mx.array,
     masks: dict = {}
     layers = []
     for layer in rows.layers:
+        if isinstance(layer, RecurrentCache):  # no mask: it follows the branches itself
+            layers.append(layer)
+            continue
         ring = _ring(layer)
         if ring not in masks:
-            masks[ring] = _mask(ring, lengths, read, depths, ancestors)
+            masks[ring] = _mask(ring, lengths, read, placed.depths, placed.ancestors)
         layers.append(_Masked(layer, masks[ring]))
-    with _placed(model, lengths[:, None] + depths):
+    with _placed(model, lengths[:, None] + placed.depths), branching(placed.parents):
         logits = model(tokens, cache=layers, **inputs)
     if hasattr(rows, "advance"):
         rows.advance(n)
@@ -243,10 +261,15 @@ def choices(rows: list[Any], trees: dict[int, Tree], logits: mx.array,
 def compact(layers: Any, starts: list[int], paths: list[list[int]]) -> None:
     """Move each row's walked path to its contiguous positions: position starts[b] + j takes
     what position starts[b] + paths[b][j] holds, in every layer (`layers`: the rows cache's
-    attention layers, whose `keys` / `values` are (B, heads, slots, dim); a ring layer's
-    positions mapped to its slots)."""
+    layers; an attention layer's `keys` / `values` are (B, heads, slots, dim), a ring layer's
+    positions mapped to its slots; a recurrent layer's tape is laid out path first, so that
+    the rollback to the path replays along it)."""
     if all(p == list(range(len(p))) for p in paths):
         return
+    for layer in layers:
+        if isinstance(layer, RecurrentCache):
+            layer.follow(paths)
+    layers = [layer for layer in layers if hasattr(layer, "keys")]
     width = max(len(p) for p in paths)
     src = mx.array([[s + (p[j] if j < len(p) else 0) for j in range(width)]
                     for s, p in zip(starts, paths)], dtype=mx.int32)
@@ -281,21 +304,22 @@ def in_path_order(seen: list, paths: list[list[int]]) -> list:
 
 def refusal(model: nn.Module, source: Any, processors: Any, bitwise: bool) -> str | None:
     """Why a row with this drafter and these processors cannot verify trees on `model` (None:
-    it can): no drafter, processors, bitwise, recurrent layers (or layers of a kind a batch
-    does not hold) in the target or the drafter's model, a tensor-parallel target, no rope."""
+    it can): no drafter, processors, bitwise, layers of a kind a batch does not hold in the
+    target or the drafter's model, a tensor-parallel target, a target whose positions this
+    module cannot place (no rope module, and not a hybrid whose attention takes none)."""
     models = [m for m in (model, source.model) if m is not None]
-    stateful = ranks_of(model) is not None or any(  # the layers a tree cannot branch
-        kind == "recurrent" for m in models for kind in layer_kinds(m) or ["recurrent"])
     if not source.drafts:
         return "None without a drafter (a tree holds its proposals)"
     if processors:
         return "None with logits processors or penalties (their history differs per branch)"
     if bitwise:
         return "None with bitwise"
-    if stateful:
-        return ("None with recurrent layers or a tensor-parallel target (a tree is verified "
-                "on attention caches only)")
-    if not rope_modules(model):
+    if ranks_of(model) is not None or any(layer_kinds(m) is None for m in models):
+        return ("None with a tensor-parallel target or layers other than attention, "
+                "sliding-window attention, Gated DeltaNet and Mamba-2")
+    # Mamba-2 hybrids (Nemotron-H, Granite 4) place positions by rope where they have it and
+    # by nothing else (their state carries order)
+    if not rope_modules(model) and model_kind(model) != "ssd":
         return "None with this target (it has no rope module to place tree positions)"
     return None
 

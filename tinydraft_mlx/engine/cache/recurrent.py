@@ -49,6 +49,8 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta, ssm
 from mlx_lm.models.cache import ArraysCache
 
+from . import branches
+
 # model_type -> the recurrence its mixers run (verified against the transformers oracle in
 # tests/test_hybrid.py); other ArraysCache models stay refused
 RECURRENCES = {
@@ -132,8 +134,12 @@ class _TapedConv1d(nn.Conv1d):
 
     def __call__(self, x: mx.array) -> mx.array:
         cache = getattr(_local, "cache", None)
+        width = self.weight.shape[1] - 1
         if cache is not None:
-            cache._conv(x, self.weight.shape[1] - 1)
+            cache._conv(x, width)
+            trees = branches.active()
+            if trees is not None:  # a tree forward: each node's window along its branch
+                return trees.convolve(lambda v: nn.Conv1d.__call__(self, v), x, width)
         return super().__call__(x)
 
 
@@ -162,11 +168,16 @@ def _recording(fn: Callable, kind: str) -> Callable:
     replay = ssm.ssm_attn if kind == "ssd" else fn  # the kernel's T = 1 steps never replay
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
         cache = getattr(_local, "cache", None)
-        if cache is not None:
-            bound = signature.bind(*args, **kwargs)
-            cache._recurrence(_Recurrence(kind, replay, dict(bound.arguments)))
+        trees = branches.active() if cache is not None else None
+        if cache is None:
+            return fn(*args, **kwargs)
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+        if trees is not None:  # a tree forward: along each branch (branches.py)
+            out = trees.recur(fn, dict(arguments), _TIMED[kind], _STATE_ARG)
+        else:
+            out = fn(*args, **kwargs)
+        cache._recurrence(_Recurrence(kind, replay, arguments))
         return out
 
     wrapped.__wrapped__ = fn
@@ -203,11 +214,24 @@ class _Segment:
     """One short forward through one layer: T positions, the convolution's input and the
     recurrence's call."""
 
-    __slots__ = ("length", "conv", "recurrence")
+    __slots__ = ("length", "conv", "recurrence", "branched")
 
-    def __init__(self, length: int, conv: mx.array) -> None:
-        self.length, self.conv = length, conv
+    def __init__(self, length: int, conv: mx.array, branched: bool = False) -> None:
+        self.length, self.conv, self.branched = length, conv, branched
         self.recurrence: _Recurrence | None = None
+
+    def reorder(self, order: mx.array) -> None:
+        """Lay the positions out in `order` (rows, length): position j of row b becomes what
+        position order[b, j] was (a tree forward's walked path first)."""
+        width = self.conv.shape[1] - self.length
+        nodes = mx.take_along_axis(self.conv[:, width:], order[:, :, None], axis=1)
+        self.conv = mx.concatenate([self.conv[:, :width], nodes], axis=1)
+        rec = self.recurrence
+        for name in _TIMED[rec.kind]:
+            value = rec.arguments.get(name)
+            if isinstance(value, mx.array):
+                index = order.reshape(*order.shape, *[1] * (value.ndim - 2))
+                rec.arguments[name] = mx.take_along_axis(value, index, axis=1)
 
     def window(self, rows: mx.array | None, n: int) -> mx.array:
         width = self.conv.shape[1] - self.length
@@ -247,7 +271,7 @@ class RecurrentCache(ArraysCache):
         if n > self.reach or self.cut is not None:  # cut: None unless a row was cut
             self.tape = []
         self.cut = None
-        seg = _Segment(n, x)
+        seg = _Segment(n, x, branches.active() is not None)
         self._open = seg
         if n <= self.reach:
             self.tape.append(seg)
@@ -269,6 +293,21 @@ class RecurrentCache(ArraysCache):
             self.tape = []
 
     # -- rollback -----------------------------------------------------------------------------
+    def follow(self, paths: list[list[int]]) -> None:
+        """After a tree forward: each row's walked path (its nodes' layout indices, root first)
+        becomes the first positions of that forward's segment, so that a rollback to the path
+        replays along it (branches.py). Rows whose path is a prefix of their layout, and a
+        tape without a tree forward, stay as they are."""
+        seg = next((s for s in reversed(self.tape) if s.branched), None)
+        if seg is None or all(p == list(range(len(p))) for p in paths):
+            return
+        if seg.recurrence is None or not seg.recurrence.replayable:
+            raise ValueError("cannot follow a tree's path in a recurrent layer: its forward "
+                             "was not recorded")
+        order = [p + sorted(set(range(seg.length)) - set(p)) for p in paths]
+        seg.reorder(mx.array(order, dtype=mx.int32))
+        seg.branched = False
+
     def is_trimmable(self) -> bool:
         return True
 
