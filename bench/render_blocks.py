@@ -153,27 +153,35 @@ def trees(r: dict) -> list[str]:
 
 
 def tree_shapes(r: dict) -> list[str]:
-    t_v, s = r["t_v_ms"], r["settings"]
+    s = r["settings"]
     ns = [str(n) for n in s["ns"]]
+    shapes = ", ".join(f"{run['shape']} {run['measured_layers']} of {run['layers']} layers"
+                       for run in r["runs"])
     lines = [
-        f"**A tree verify on a Qwen3-4B shape** (`python -m bench.tree_shapes`; random weights, "
-        f"{s['dtype']}, B = {s['batch']}, {r['measured_layers']} of {r['layers']} layers "
-        "measured and the rest extrapolated, a binary tree; [json](results/tree_shapes.json), "
+        f"**A tree verify on Qwen3-4B and Qwen3.5-4B shapes** (`python -m bench.tree_shapes`; "
+        f"random weights, {s['dtype']}, B = {s['batch']}, {shapes} measured and the rest "
+        "extrapolated, a binary tree (depth log2 n); Qwen3.5's Gated DeltaNet layers run along "
+        "each branch, depth by depth; [json](results/tree_shapes.json), "
         "[plot](results/tree_shapes.png)): t_v(n) / t_1 with the tree mask and causal",
         "",
-        "| verify | " + " | ".join(f"n = {n}" for n in ns) + " |",
-        "| --- | " + " | ".join("---" for _ in ns) + " |",
+        "| shape | verify | " + " | ".join(f"n = {n}" for n in ns) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in ns) + " |",
     ]
-    t_1 = t_v["causal"]["1"]
-    for kind in ("causal", "tree"):
-        lines.append(f"| {kind} | " + " | ".join(f"{t_v[kind][n] / t_1:.2f}" for n in ns) + " |")
-    speed = r.get("model", {}).get("speedup")
-    if speed:
-        cells = ", ".join(f"N = {n}: chain {v['chain']:.2f}x (tau {v['tau_chain']:.2f}), tree "
-                          f"{v['tree']:.2f}x (tau {v['tau_tree']:.2f})" for n, v in speed.items())
-        lines += ["", f"Modelled, not measured (speed-up = tau t_1 / (t_block + t_v(N + 1)), "
-                      f"t_block {r['model']['t_block_ms']:.0f} ms from dflash_shapes, tau the "
-                      f"demo DFlash drafter's, greedy): {cells}. The demo drafter's tau is far "
-                      "below a published drafter's; the tree's gain over the chain is the "
-                      "ratio to read."]
+    for run in r["runs"]:
+        t_v = run["t_v_ms"]
+        t_1 = t_v["causal"]["1"]
+        for kind in ("causal", "tree"):
+            lines.append(f"| {run['shape']} | {kind} | "
+                         + " | ".join(f"{t_v[kind][n] / t_1:.2f}" for n in ns) + " |")
+    for run in r["runs"]:
+        speed = run.get("model", {}).get("speedup")
+        if speed:
+            cells = ", ".join(f"N = {n}: chain {v['chain']:.2f}x (tau {v['tau_chain']:.2f}), "
+                              f"tree {v['tree']:.2f}x (tau {v['tau_tree']:.2f})"
+                              for n, v in speed.items())
+            lines += ["", f"{run['shape']}, modelled, not measured (speed-up = tau t_1 / "
+                          f"(t_block + t_v(N + 1)), t_block {run['model']['t_block_ms']:.0f} ms "
+                          f"from dflash_shapes, tau the demo DFlash drafter's, greedy): {cells}."]
+    lines += ["", "The demo drafter's tau is far below a published drafter's; the tree's gain "
+                  "over the chain is the ratio to read."]
     return lines

@@ -1,15 +1,18 @@
-"""What a tree verify costs on a shape users run: a Qwen3-4B-shaped random target (mlx-lm's own
-model, random weights, float32), t_v(n) with a tree mask against the causal verify of the same n
-positions, and the speed-up a DFlash tree would give under a cost model.
+"""What a tree verify costs on shapes users run: Qwen3-4B- and Qwen3.5-4B-shaped random targets
+(mlx-lm's own models, random weights, float32; Qwen3.5's Gated DeltaNet layers run along each
+branch, depth by depth: cache/branches.py), t_v(n) with a tree mask against the causal verify of
+the same n positions, and the speed-up a DFlash tree would give under a cost model.
 
-    python -m bench.tree_shapes     # ~5 minutes on a 2-core machine, ~5 GB of memory
+    python -m bench.tree_shapes     # ~6 minutes on a 2-core machine, ~6 GB of memory
 
-As bench/dflash_shapes.py: the target is built with MEASURED of its 36 layers and its full
-depth is extrapolated, t(n) = t_head(n) + (layers / MEASURED) (t_small(n) - t_head(n)), t_head
+As bench/dflash_shapes.py (whose SHAPES these are): each target is built with MEASURED of its
+layers (Qwen3.5's 3:1 Gated DeltaNet : attention pattern kept) and its full depth is
+extrapolated, t(n) = t_head(n) + (layers / MEASURED) (t_small(n) - t_head(n)), t_head
 the final norm and LM head on n positions measured apart; each t the median of REPEATS after a
-warm-up, after a 64-token prompt, one row (B = 1). The tree is a binary one (node i's parent is
-(i - 1) // 2), laid out and masked as the engine's (`tree_verify.forward`); the causal verify is
-the batch cache's own forward of the same positions.
+warm-up, after a 64-token prompt, one row (B = 1), each shape in a process of its own. The tree
+is a binary one (node i's parent is (i - 1) // 2, depth log2(n)), laid out and masked as the
+engine's (`tree_verify.forward`); the causal verify is the batch cache's own forward of the same
+positions.
 
 The model, labelled as one: a round of a DFlash drafter costs t_block + t_v(n + 1) and emits
 tau tokens, so speed-up = tau t_1 / (t_block + t_v(n + 1)), with t_block from
@@ -26,15 +29,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = "qwen3-4b"
+SHAPES = ("qwen3-4b", "qwen3.5-4b")
 NS = (1, 5, 9, 16, 32, 64)
 
 
-def worker() -> dict:
+def worker(shape: str) -> dict:
     from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
 
     import mlx.core as mx
-    from mlx_lm.models import qwen3
+    from mlx_lm.models import qwen3, qwen3_5
 
     from bench.dflash_shapes import MEASURED, PROMPT, SHAPES, _median_ms
     from tinydraft_mlx.engine import hidden
@@ -43,15 +46,18 @@ def worker() -> dict:
     from tinydraft_mlx.engine.tree_verify import forward, layout
     from tinydraft_mlx.engine.trees import Tree
 
-    config = json.loads(json.dumps(SHAPES[SHAPE]))
-    depth, config["num_hidden_layers"] = config["num_hidden_layers"], MEASURED[SHAPE]
+    config = json.loads(json.dumps(SHAPES[shape]))
+    text = config.get("text_config", config)
+    depth, text["num_hidden_layers"] = text["num_hidden_layers"], MEASURED[shape]
+    module = qwen3 if config["model_type"] == "qwen3" else qwen3_5
     mx.random.seed(0)
-    target = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    target = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(target.parameters())
     ids = [(7 * i) % 1000 + 10 for i in range(PROMPT)]
-    solo = make_cache(target)
+    margin = max(NS)  # a recurrent layer's tape holds a forward of n <= margin + 1 positions
+    solo = make_cache(target, margin=margin)
     target(mx.array([ids[:-1]]), cache=solo)
-    rows = BatchCache(layer_kinds(target))
+    rows = BatchCache(layer_kinds(target), margin=margin)
     rows.add([solo])
     mx.eval(rows.arrays())
     lengths = list(rows.lengths)
@@ -79,17 +85,17 @@ def worker() -> dict:
     norm = hidden.final_norm(target)
 
     def head_only(n: int):
-        x = mx.random.normal((1, n, config["hidden_size"]))
-        return lambda: target.model.embed_tokens.as_linear(norm(x))
+        x = mx.random.normal((1, n, text["hidden_size"]))
+        return lambda: hidden.embeddings(target).as_linear(norm(x))  # both tie embeddings
 
-    scale = depth / MEASURED[SHAPE]
+    scale = depth / MEASURED[shape]
     out = {}
     for name, make in (("causal", causal), ("tree", tree)):
         small = {n: _median_ms(make(n)) for n in NS}
         heads = {n: _median_ms(head_only(n)) for n in NS}
         out[name] = {n: round(heads[n] + scale * max(0.0, small[n] - heads[n]), 2) for n in NS}
-    return {"machine": machine(), "shape": SHAPE, "layers": depth,
-            "measured_layers": MEASURED[SHAPE], "t_v_ms": out}
+    return {"machine": machine(), "shape": shape, "layers": depth,
+            "measured_layers": MEASURED[shape], "t_v_ms": out}
 
 
 def model(report: dict) -> dict:
@@ -97,7 +103,8 @@ def model(report: dict) -> dict:
     shapes, trees = ROOT / "results" / "dflash_shapes.json", ROOT / "results" / "trees.json"
     if not shapes.exists() or not trees.exists():
         return {}
-    block = next(r for r in json.loads(shapes.read_text())["runs"] if r["shape"] == SHAPE)
+    block = next(r for r in json.loads(shapes.read_text())["runs"]
+                 if r["shape"] == report["shape"])
     tau = json.loads(trees.read_text())["tau"]["T=0.0"]["dflash"]
     t_v, t_1, t_b = report["t_v_ms"], report["t_v_ms"]["causal"]["1"], block["t_block_ms"]
 
@@ -121,25 +128,30 @@ def plot(report: dict, path: Path) -> None:
     from bench.common import finish_figure, pyplot
 
     plt = pyplot()
+    runs = report["runs"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    t_v = report["t_v_ms"]
-    t_1 = t_v["causal"]["1"]
-    for kind, style in (("causal", "--"), ("tree", "-")):
-        n = sorted(int(k) for k in t_v[kind])
-        axes[0].plot(n, [t_v[kind][str(k)] / t_1 for k in n], style, marker="o", label=kind)
+    styles = {"causal": "--", "tree": "-", "chain": "--"}
+    for run, colour in zip(runs, ("C0", "C1")):
+        t_v = run["t_v_ms"]
+        t_1 = t_v["causal"]["1"]
+        for kind in ("causal", "tree"):
+            n = sorted(int(k) for k in t_v[kind])
+            axes[0].plot(n, [t_v[kind][str(k)] / t_1 for k in n], styles[kind], marker="o",
+                         color=colour, label=f"{run['shape']}, {kind}")
+        speed = run.get("model", {}).get("speedup", {})
+        ns = sorted(int(n) for n in speed)
+        for kind in ("chain", "tree"):
+            if ns:
+                axes[1].plot(ns, [speed[str(n)][kind] for n in ns], styles[kind], marker="o",
+                             color=colour, label=f"{run['shape']}, {kind}")
     axes[0].set_xlabel("verified positions n")
     axes[0].set_ylabel("t_v(n) / t_1")
     axes[0].legend(fontsize=8)
-    speed = report.get("model", {}).get("speedup", {})
-    if speed:
-        ns = sorted(int(n) for n in speed)
-        for kind, style in (("chain", "--"), ("tree", "-")):
-            axes[1].plot(ns, [speed[str(n)][kind] for n in ns], style, marker="o", label=kind)
-        axes[1].axhline(1.0, color="grey", lw=0.8)
-        axes[1].set_xlabel("draft positions verified per round")
-        axes[1].set_ylabel("modelled speed-up (demo DFlash tau)")
-        axes[1].legend(fontsize=8)
-    finish_figure(plt, fig, path, report, "Tree verify on a Qwen3-4B shape",
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].set_xlabel("draft positions verified per round")
+    axes[1].set_ylabel("modelled speed-up (demo DFlash tau)")
+    axes[1].legend(fontsize=8)
+    finish_figure(plt, fig, path, report, "Tree verify on Qwen3-4B and Qwen3.5-4B shapes",
                   "random weights; speed-up = tau t_1 / (t_block + t_v(n + 1)), a model", 10)
 
 
@@ -147,16 +159,22 @@ def main() -> None:
     from bench.common import in_fresh_process, save
 
     start = time.time()
-    report = in_fresh_process(__file__, timeout=1500)
-    report["settings"] = {"dtype": "float32", "ns": list(NS), "batch": 1,
-                          "seconds": round(time.time() - start)}
-    report["model"] = model(report)
+    runs = []
+    for shape in SHAPES:
+        run = in_fresh_process(__file__, shape, timeout=1500)
+        run["model"] = model(run)
+        runs.append(run)
+        print(run["shape"], run["t_v_ms"], run["model"], flush=True)
+    report = {"machine": runs[0].pop("machine"), "runs": runs,
+              "settings": {"dtype": "float32", "ns": list(NS), "batch": 1,
+                           "seconds": round(time.time() - start)}}
+    for run in runs[1:]:
+        run.pop("machine")
     print(save(report, "tree_shapes", plot))
-    print(report["t_v_ms"], report["model"])
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        print(json.dumps(worker()))
+    if sys.argv[1:2] == ["--worker"]:
+        print(json.dumps(worker(sys.argv[2])))
     else:
         sys.exit(main())

@@ -184,31 +184,40 @@ def test_prompt_lookup_offers_its_latest_continuations_as_a_trie():
     assert len(trie(2, found, 4)) == 5
 
 
-def test_auto_tries_both_then_takes_the_faster_and_retries_the_tree():
+def test_auto_tries_each_size_then_takes_the_fastest_and_retries_the_others():
+    """Budget 16: trees of 16, 8 and 4 nodes and the chain, each tried once, largest first;
+    then the fastest, each other one again after RETRY rounds of the others, and after twice
+    as many each time it loses again (a retry may wait behind another one due: at most as
+    many rounds as there are arms); a size that becomes the fastest is kept."""
     from tinydraft_mlx.engine.policy import TreeChoice
 
-    choice = TreeChoice()
-    assert choice.tree()  # untried: the tree first
-    choice.book(True, 2, 1.0)  # 2 tokens/s
-    assert not choice.tree()  # the chain untried
-    choice.book(False, 3, 1.0)  # 3 tokens/s: its first chain round
-    rounds = []
-    for _ in range(TreeChoice.RETRY):
-        rounds.append(choice.tree())
-        if not rounds[-1]:
-            choice.book(False, 3, 1.0)
-    # the tree again once RETRY chain rounds have passed since it was tried
-    assert rounds == [False] * (TreeChoice.RETRY - 1) + [True]
-    choice.book(True, 1, 1.0)  # it loses again: the next retry waits twice as long
-    waited = 0
-    while not choice.tree():
-        choice.book(False, 3, 1.0)
-        waited += 1
-    assert waited == 2 * TreeChoice.RETRY
-    choice.book(True, 50, 1.0)  # now the faster: taken while it stays ahead
-    assert choice.tree()
-    choice.book(True, 50, 1.0)
-    assert choice.tree()
+    choice = TreeChoice(16)
+    assert choice.arms == [16, 8, 4, None]
+    assert TreeChoice(5).arms == [5, None] and TreeChoice(1).arms == [1, None]
+    rates = {16: 2.0, 8: 4.0, 4: 1.0, None: 3.0}  # tokens per 1-second round
+    runs = []
+    for _ in range(300):
+        runs.append(choice.budget())
+        assert choice.tree() == (runs[-1] is not None)
+        choice.book(runs[-1], rates[runs[-1]], 1.0)
+    assert runs[:4] == [16, 8, 4, None]
+    assert runs.count(8) > 0.85 * len(runs)
+    for arm in (16, 4, None):
+        at = [i for i, r in enumerate(runs) if r == arm]
+        gaps = [b - a - 1 for a, b in zip(at, at[1:])]  # rounds of the others in between
+        wait = TreeChoice.RETRY
+        for gap in gaps:
+            assert wait <= gap <= wait + len(choice.arms), (arm, gaps)
+            wait = min(2 * wait, TreeChoice.MAX_WAIT)
+        assert len(gaps) >= 4
+    rates[4] = 50.0  # now the fastest: taken from its next retry on
+    while choice.budget() != 4:
+        choice.book(choice.budget(), rates[choice.budget()], 1.0)
+    runs = []
+    for _ in range(200):
+        runs.append(choice.budget())
+        choice.book(runs[-1], rates[runs[-1]], 1.0)
+    assert runs[0] == 4 and runs.count(4) > 0.85 * len(runs)
 
 
 # -- one tree forward --------------------------------------------------------------------------

@@ -202,10 +202,11 @@ class DraftLengthPolicy:
         return held
 
     def tree_choice(self, budget: int, regime: Hashable) -> TreeChoice:
-        """The pair's choice between a tree of `budget` and its chain, in this regime."""
+        """The pair's choice between trees of `budget` (or smaller) and its chain, in this
+        regime."""
         key = (budget, _regime_key(regime))
         if key not in self.trees:
-            self.trees[key] = TreeChoice()
+            self.trees[key] = TreeChoice(budget)
         return self.trees[key]
 
     def round_costs(self, rows: int) -> RoundCosts:
@@ -367,36 +368,50 @@ class RecentRate:
 
 
 class TreeChoice:
-    """k="auto" with a node budget: each round either a tree of the budget (the drafter's
-    reach deep) or the k="auto" chain (whose k may be 0: a plain step), whichever has recently
-    given more tokens per second (`RecentRate`); one per pair, budget and sampling regime
-    (`DraftLengthPolicy.tree_choice`), learned across its generations. Each is tried first; a
-    losing tree is tried again after `RETRY` chain rounds (what it gives changes with the
-    text), and after twice as many each time it loses again (at most `MAX_WAIT`), so that a
-    tree that does not pay costs little. Exact either way: the choice reads only rounds already
-    emitted."""
+    """k="auto" with a node budget N: each round a tree of one of the sizes N, N // 2, N // 4,
+    ... (down to `SMALLEST`; the drafter's reach deep) or the k="auto" chain (whose k may be 0:
+    a plain step), whichever has recently given the most tokens per second (`RecentRate`); one
+    per pair, budget and sampling regime (`DraftLengthPolicy.tree_choice`), learned across its
+    generations. Each is tried once first (the largest tree first, the chain last); one that is
+    not ahead is tried again after `RETRY` rounds of the others (what it gives changes with the
+    text), and after twice as many each time it loses again (at most `MAX_WAIT`), so that a size
+    that does not pay costs little. Exact whatever it picks: the choice reads only rounds
+    already emitted."""
 
-    RETRY, MAX_WAIT = 8, 256
+    RETRY, MAX_WAIT, SMALLEST = 8, 256, 4
 
-    def __init__(self) -> None:
-        self.recent = {True: RecentRate(), False: RecentRate()}
-        self._since_tree = 0
-        self._wait = self.RETRY
+    def __init__(self, budget: int) -> None:
+        sizes = [budget]
+        while sizes[-1] // 2 >= self.SMALLEST:
+            sizes.append(sizes[-1] // 2)
+        self.arms: list[int | None] = [*sizes, None]  # None: the chain
+        self.recent = {arm: RecentRate() for arm in self.arms}
+        self._since = dict.fromkeys(self.arms, 0)  # rounds of the others since its last
+        self._wait = dict.fromkeys(self.arms, self.RETRY)
 
-    def _ahead(self) -> bool:
-        tree, chain = self.recent[True].rate, self.recent[False].rate
-        return tree is not None and chain is not None and tree >= chain
+    def _best(self) -> int | None:
+        rated = [arm for arm in self.arms if self.recent[arm].rate is not None]
+        return max(rated, key=lambda arm: self.recent[arm].rate)  # ties: the larger tree
+
+    def budget(self) -> int | None:
+        """This round's tree budget (None: the chain)."""
+        untried = [arm for arm in self.arms if self.recent[arm].rate is None]
+        if untried:
+            return untried[0]
+        best = self._best()
+        due = [arm for arm in self.arms if arm != best and self._since[arm] >= self._wait[arm]]
+        return due[0] if due else best
 
     def tree(self) -> bool:
-        """Whether this round verifies the tree."""
-        if self.recent[True].rate is None or self.recent[False].rate is None:
-            return self.recent[True].rate is None
-        return self._ahead() or self._since_tree >= self._wait
+        """Whether this round verifies a tree."""
+        return self.budget() is not None
 
-    def book(self, tree: bool, tokens: int, seconds: float) -> None:
-        """A round of that kind gave `tokens` in `seconds`."""
-        retried = tree and self._since_tree > 0
-        self.recent[tree].update(tokens, seconds)
-        self._since_tree = 0 if tree else self._since_tree + 1
+    def book(self, budget: int | None, tokens: int, seconds: float) -> None:
+        """A round of that budget (None: the chain) gave `tokens` in `seconds`."""
+        retried = self.recent[budget].rate is not None and budget != self._best()
+        self.recent[budget].update(tokens, seconds)
+        for arm in self.arms:
+            self._since[arm] = 0 if arm == budget else self._since[arm] + 1
         if retried:  # a retry: wait longer after a loss, as at first after a win
-            self._wait = self.RETRY if self._ahead() else min(2 * self._wait, self.MAX_WAIT)
+            self._wait[budget] = (self.RETRY if self._best() == budget
+                                  else min(2 * self._wait[budget], self.MAX_WAIT))

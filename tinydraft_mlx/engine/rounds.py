@@ -368,7 +368,7 @@ class BatchDecoder:
         if queued is None:
             self._choose(self._chosen)
             for row in self.rows:  # this round's tree budgets (and a tree's depth)
-                row.budget = row.tree if row.choice is None or row.choice.tree() else None
+                row.budget = row.tree if row.choice is None else row.choice.budget()
                 if row.budget and row.choice is not None:
                     row.round_k = max(0, min(row.k_cap, row.max_tokens - row.generated - 1))
                 row.split()
@@ -530,7 +530,8 @@ class BatchDecoder:
             row.stats.decode_seconds += elapsed
             row.stats.peak_memory = peak
             if row.choice is not None:
-                row.choice.book(row.shape is not None, len(tokens), elapsed)
+                row.choice.book(row.budget if row.shape is not None else None, len(tokens),
+                                elapsed)
             if row.acceptance is not None and k and row.shape is None:
                 row.acceptance.update(k, n)
             out[row.uid] = self._emit(row, tokens, n, logits, finished)

@@ -10,10 +10,10 @@ node's path instead (recurrent.py hands them here while a tree forward runs):
   forward followed by the inputs of i's ancestors and i itself (root first), gathered into one
   (rows x nodes, K, channels) input of the layer's own `conv1d`, one output per node;
 - the recurrence (GDN's delta rule, Mamba-2's SSD): depth by depth, the nodes of one depth of
-  every row as one batch of one position each, each started from its parent's state (the root
-  from the row's state before the forward), through the same function mlx-lm's layer called.
-  A tree of depth D costs D + 1 calls of one position, the same recurrence work per node as
-  one call over the layout.
+  every row as one batch of one position each (on the CPU one node per call: `step_width`),
+  each started from its parent's state (the root from the row's state before the forward),
+  through the same function mlx-lm's layer called: the same recurrence work per node as one
+  call over the layout.
 
 The layer's outputs are laid out as its inputs were. The state it leaves is that of each row's
 last laid-out node: a chain's (a row without a tree, or a row padded as a chain) is what a chain
@@ -52,25 +52,30 @@ class Branches:
                 depth.append(0 if p < 0 else depth[p] + 1)
             depths.append(depth)
         self.depths = depths
-        # per depth: the flat (row * nodes + i) index of each node, and where its parent's state
-        # is in the previous depth's batch (the row, at depth 0)
-        self.levels: list[tuple[mx.array, mx.array]] = []
-        at: dict[tuple[int, int], int] = {}
+        # the recurrence's calls: depth by depth, a depth's nodes in pieces of at most `wide`
+        # (each call's states stay in the CPU's caches); per call the flat (row * nodes + i)
+        # index of each node and where its parent's state is: (call, index in it), call -1 for
+        # the row's state before the forward
+        wide = step_width()
+        self.calls: list[tuple[mx.array, list[tuple[int, int]]]] = []
+        at: dict[tuple[int, int], tuple[int, int]] = {}
         order: list[int] = []
         for d in range(max(max(row) for row in depths) + 1):
             members = [(b, i) for b in range(self.rows) for i in range(self.nodes)
                        if depths[b][i] == d]
-            flat = [b * self.nodes + i for b, i in members]
-            source = [b if d == 0 else at[(b, parents[b][i])] for b, i in members]
-            at = {node: j for j, node in enumerate(members)}
-            self.levels.append((mx.array(flat, dtype=mx.int32), mx.array(source, dtype=mx.int32)))
-            order += flat
-        # where each laid-out node's output is in the depth-ordered outputs, and each row's
-        # last node's state
+            for start in range(0, len(members), wide or len(members)):
+                piece = members[start : start + (wide or len(members))]
+                call = len(self.calls)
+                self.calls.append((
+                    mx.array([b * self.nodes + i for b, i in piece], dtype=mx.int32),
+                    [(-1, b) if d == 0 else at[(b, parents[b][i])] for b, i in piece]))
+                at.update({node: (call, j) for j, node in enumerate(piece)})
+                order += [b * self.nodes + i for b, i in piece]
+        # where each laid-out node's output is among the calls' outputs, and each row's last
+        # node's state
         place = {f: j for j, f in enumerate(order)}
         self.unsort = mx.array([place[f] for f in range(self.rows * self.nodes)], dtype=mx.int32)
-        self.last = mx.array([place[b * self.nodes + self.nodes - 1] for b in range(self.rows)],
-                             dtype=mx.int32)
+        self.last = [at[(b, self.nodes - 1)] for b in range(self.rows)]
         self._windows: dict[int, mx.array] = {}
 
     def windows(self, width: int) -> mx.array:
@@ -105,21 +110,51 @@ class Branches:
         order and each row's last node's state."""
         start = arguments.get(state_arg)
         ys, states = [], []
-        state = start
-        for flat, source in self.levels:
+        for flat, sources in self.calls:
             args = {}
             for name, value in arguments.items():
                 if name in timed and isinstance(value, mx.array):
                     value = value.reshape(self.rows * self.nodes, 1, *value.shape[2:])[flat]
                 elif name == state_arg:
-                    value = None if state is None else state[source]
+                    value = None if start is None and sources[0][0] < 0 else \
+                        _gather(start, states, sources)
                 args[name] = value
             y, state = fn(**args)
             ys.append(y)
             states.append(state)
         y = mx.concatenate(ys)[self.unsort]
-        return (y.reshape(self.rows, self.nodes, *y.shape[2:]),
-                mx.concatenate(states)[self.last])
+        return y.reshape(self.rows, self.nodes, *y.shape[2:]), _gather(start, states, self.last)
+
+
+def _gather(start: mx.array | None, states: list[mx.array],
+            sources: list[tuple[int, int]]) -> mx.array:
+    """The states at `sources` ((call, index), call -1: `start`'s row), stacked: one take per
+    run of sources from the same call."""
+    pieces, run = [], [sources[0]]
+    for source in sources[1:]:
+        if source[0] == run[-1][0]:
+            run.append(source)
+        else:
+            pieces.append(run)
+            run = [source]
+    pieces.append(run)
+    taken = []
+    for run in pieces:
+        held = start if run[0][0] < 0 else states[run[0][0]]
+        index = [j for _, j in run]
+        taken.append(held if index == list(range(held.shape[0])) else
+                     held[mx.array(index, dtype=mx.int32)])
+    return taken[0] if len(taken) == 1 else mx.concatenate(taken)
+
+
+def step_width() -> int | None:
+    """The most nodes one call of the recurrence takes (None: a whole depth). On the CPU one: a
+    call reads and writes its states several times (decay, memory, update, output), and several
+    states per call fall out of the caches; one Gated DeltaNet layer of Qwen3.5-4B's shape over
+    a binary tree of 64 nodes took 120 ms one node per call, 176 ms four and 206 ms eight here
+    (the chain's 64 one-position steps: 92 ms). Metal's kernel keeps a state in registers:
+    one call per depth there."""
+    return 1 if mx.default_device() == mx.cpu else None
 
 
 def active() -> Branches | None:
