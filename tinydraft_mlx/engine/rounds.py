@@ -183,8 +183,8 @@ class BatchDecoder:
         caches may hold a prefix of `prompt` (one-sequence caches, e.g. a prompt cache's);
         `keep_caches`: keep the sequence's caches for `remove` / `finished`; `tree`: verify
         candidate trees of at most this many nodes (trees.py; k is their depth limit, and
-        with k="auto" each round the tree, its drafter's reach deep, or the k="auto" chain:
-        `TreeChoice`) instead of chains."""
+        with k="auto" each round a tree of this many nodes or fewer, its drafter's reach deep,
+        or the k="auto" chain: `TreeChoice`) instead of chains."""
         if not prompt:
             raise ParameterError("prompt", "at least one token", prompt)
         if self.single and len(self):

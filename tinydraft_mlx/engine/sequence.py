@@ -69,7 +69,7 @@ class Row:
     draft_key: mx.array | None = None  # this round's keys (None when greedy)
     verify_key: mx.array | None = None
     tree: int | None = None  # a candidate tree's node budget (trees.py); None: a chain
-    choice: TreeChoice | None = None  # k="auto" with a budget: tree or chain, per round
+    choice: TreeChoice | None = None  # k="auto" with a budget: which tree or chain, per round
     budget: int | None = None  # this round's tree budget (None: a chain)
     shape: Tree | None = None  # this round's tree
     draft_end: int | None = None  # after a tree round: how far a draft model's view still holds
