@@ -173,6 +173,9 @@ def tree_shapes(r: dict) -> list[str]:
         for kind in ("causal", "tree"):
             lines.append(f"| {run['shape']} | {kind} | "
                          + " | ".join(f"{t_v[kind][n] / t_1:.2f}" for n in ns) + " |")
+    lines += ["", "The two verifies of each n run back to back; on this shared 2-core machine one "
+                  "verify's repeated runs differ by up to 25% (at n = 1 both are one computation), "
+                  "so ratios within that are level."]
     for run in r["runs"]:
         speed = run.get("model", {}).get("speedup")
         if speed:
