@@ -293,3 +293,21 @@ def test_a_tree_beyond_the_rollback_margin_is_refused_in_one_line(built):
     message = str(err.value)
     assert message.startswith("tree must be at most max_k = 8") and "recurrent" in message
     assert "(got 12)" in message and "\n" not in message
+
+
+def test_bounded_attention_beside_recurrent_layers_holds_trees(built):
+    """max_kv_size 20 (attention rings that wrap within the generation) on Qwen3.5: trees of 8
+    give plain bounded decoding's tokens (whose windows tests/test_rotating_cache.py checks
+    against uncached windowed passes), one sequence and in a batch beside a chain row."""
+    target, draft, tok, _, refs, _ = built["qwen3_5"]
+    prompts = [ids for ids, _ in refs[:2]]
+    assert all(len(ids) + NEW > 20 for ids in prompts)
+    plain = [generate(target, None, tok, ids, max_tokens=NEW, max_kv_size=20)[0]
+             for ids in prompts]
+    assert generate(target, draft, tok, prompts[0], k=4, max_tokens=NEW, max_kv_size=20,
+                    tree=8)[0] == plain[0]
+    decoder = BatchDecoder(target, draft, max_kv_size=20, max_k=8)
+    uids = [decoder.insert(ids, draft="model", k=4, max_tokens=NEW, tree=tree)
+            for ids, tree in zip(prompts, (8, None))]
+    out = drain(decoder)
+    assert [out[uid] for uid in uids] == plain

@@ -43,11 +43,16 @@ from mlx_lm.models.cache import KVCache
 
 from . import hidden
 from .cache import Cache, RollbackRotatingKVCache, ring_mask, ring_slots, slot_positions
+from .cache.recurrent import Recurrence, RecurrentCache
 from .distributed import ranks_of
 
 COMPILE_ENV = "TINYDRAFT_COMPILE"
 # architectures whose attention reads the cache only through offset / update_and_fetch / make_mask
-SUPPORTED = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+SUPPORTED = frozenset({"qwen2", "qwen3", "llama", "mistral",
+                       # hybrids: their recurrent layers' window and state are inputs and
+                       # outputs of the step, and what their tape records too (`_StateSlot`)
+                       "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h",
+                       "granitemoehybrid", "mamba2"})
 MIN_BUFFER = 256
 LINEAR_BUFFER = 4096  # beyond this, buffers grow by this much instead of doubling
 _STATE = "_tinydraft_forward"  # per model: {kernel set name: _Compiled or False}
@@ -123,6 +128,53 @@ class _RingSlot:
         return ring_mask(self.offset, n, keys, self.keep, self.window)
 
 
+class _StateSlot(RecurrentCache):
+    """One recurrent layer's cache as the compiled step sees it: its window and state as
+    inputs; what the layer's tape records during the step (the convolution's input, the
+    recurrence's call: recurrent.py) is kept here to become outputs of the step, from which the
+    real cache's tape is written after the call as the eager forward writes it."""
+
+    def __init__(self, conv: mx.array, state: mx.array) -> None:
+        super().__init__(2, reach=0)
+        self.cache = [conv, state]
+        self.conv_input: mx.array | None = None
+        self.width = 0
+        self.record: Recurrence | None = None
+
+    def _conv(self, x: mx.array, width: int) -> None:
+        self.conv_input, self.width = x, width
+
+    def _recurrence(self, record: Recurrence) -> None:
+        self.record = record
+
+    def _close(self) -> None:
+        pass
+
+    def taped(self) -> tuple[tuple, list[mx.array]]:
+        """(what the tape needs beside arrays: width, kind, function, argument names, the
+        arguments that are not arrays), [the convolution's input, the recurrence's arrays]."""
+        rec = self.record
+        if self.conv_input is None or rec is None:
+            raise RuntimeError("a recurrent layer ran without its convolution or recurrence in "
+                               "a compiled step")
+        names = tuple(n for n, v in rec.arguments.items() if isinstance(v, mx.array))
+        rest = {n: v for n, v in rec.arguments.items() if n not in names}
+        return ((self.width, rec.kind, rec.fn, names, rest),
+                [self.conv_input, *(rec.arguments[n] for n in names)])
+
+
+def _write_tapes(layers: list[RecurrentCache], layout: list[tuple], arrays: list[mx.array]
+                 ) -> None:
+    """Each recurrent layer's tape after a compiled step: the calls the eager forward makes on
+    it (its convolution's input, then its recurrence), from the step's outputs."""
+    at = 0
+    for layer, (width, kind, fn, names, rest) in zip(layers, layout, strict=True):
+        conv, args = arrays[at], arrays[at + 1 : at + 1 + len(names)]
+        at += 1 + len(names)
+        layer._conv(conv, width)
+        layer._recurrence(Recurrence(kind, fn, {**rest, **dict(zip(names, args))}))
+
+
 class _Compiled:
     """A model's compiled steps (on unbounded caches; on bounded ones, every bound's) and the
     shapes they have been traced for."""
@@ -133,17 +185,30 @@ class _Compiled:
         self.ring_step = self._compile(_RingSlot)
         self.shapes: set[tuple] = set()
         self.tags: list[Any] = []  # what the step's last output holds (set when it traces)
+        self.kinds: tuple[bool, ...] = ()  # per cache layer: recurrent (set before a call)
+        self.tapes: dict[tuple, list[tuple]] = {}  # per traced shape: the tapes' layout
+
+    def order(self, attention: Any, recurrent: Any) -> list:
+        """Per cache layer, the iterator its slot comes from."""
+        return [recurrent if kind else attention for kind in self.kinds]
 
     def _compile(self, slot: Callable[..., Any]) -> Callable:
         model, state = self.model, self
 
-        def step(tokens, offset, keys, values, *extra):
-            slots = [slot(k, v, offset) for k, v in zip(keys, values)]
+        def step(tokens, offset, keys, values, windows, states, *extra):
+            attention = iter([slot(k, v, offset) for k, v in zip(keys, values)])
+            recurrent = [_StateSlot(w, s) for w, s in zip(windows, states)]
+            slots = [next(attention) for _ in keys] if not recurrent else \
+                [next(layers) for layers in state.order(attention, iter(recurrent))]
             with hidden.capture() as seen:  # a watched model's states (hidden.py)
                 logits = model(tokens, cache=slots, **dict(zip(state.inputs, extra)))
             state.tags = [tag for tag, _ in seen]  # the same at every trace of this model
-            return (logits, [s.keys for s in slots], [s.values for s in slots],
-                    [a for _, a in seen])
+            taped = [slot.taped() for slot in recurrent]
+            state.tapes[(tokens.shape, len(recurrent))] = [t for t, _ in taped]
+            return (logits, [s.keys for s in slots if not isinstance(s, _StateSlot)],
+                    [s.values for s in slots if not isinstance(s, _StateSlot)],
+                    [s.cache[0] for s in recurrent], [s.cache[1] for s in recurrent],
+                    [a for _, arrays in taped for a in arrays], [a for _, a in seen])
 
         # the parameters are inputs, read at every call: a closure's arrays would be frozen into
         # the trace as constants, so a weight changed later (model.update, adapters, training)
@@ -249,29 +314,38 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any], *, reserve: in
     for a whole generation: bitwise.py)."""
     state = _compiled(model) if enabled() else None
     long = tokens.shape[1] > COMPILED_POSITIONS and not reserve  # eager wins (forward_batch)
-    if state is None or not cache or cache[0].keys is None or set(inputs) != set(state.inputs) \
-            or long:
+    if state is None or not cache or set(inputs) != set(state.inputs) or long:
         return model(tokens, cache=cache, **inputs)
+    attention = [layer for layer in cache if not isinstance(layer, RecurrentCache)]
+    recurrent = [layer for layer in cache if isinstance(layer, RecurrentCache)]
+    if any(layer.keys is None for layer in attention) or any(
+            type(layer) is not RecurrentCache or layer.empty() for layer in recurrent):
+        return model(tokens, cache=cache, **inputs)  # nothing written yet: eager
     offset, n = cache[0].offset, tokens.shape[1]
-    if all(type(layer) is KVCache for layer in cache):
-        size = _reserve(cache, max(offset + n, reserve))
+    if all(type(layer) is KVCache for layer in attention):
+        size = _reserve(attention, max(offset + n, reserve)) if attention else 0
         step, where = state.step, mx.array(offset, dtype=mx.int32)
-        _traced_shape(state, (n, size, *_widths(inputs)))
-    elif _ring_in_place(cache, n):
+        _traced_shape(state, (n, size, len(recurrent), *_widths(inputs)))
+    elif not recurrent and _ring_in_place(cache, n):
         first = cache[0]
         step = state.ring_step
         where = mx.array([offset, first.keep, first.window, first.ring], dtype=mx.int32)
         _traced_shape(state, ("ring", n, first.slots, *_widths(inputs)))
-    else:  # a forward longer than the ring's margin (a catch-up): eager, with its inputs
-        return model(tokens, cache=cache, **inputs)
-    logits, keys, values, seen = step(tokens, where,
-                                      [layer.keys for layer in cache],
-                                      [layer.values for layer in cache],
-                                      *[inputs[name] for name in state.inputs])
+    else:  # a forward longer than the ring's margin (a catch-up), a ring beside a recurrent
+        return model(tokens, cache=cache, **inputs)  # layer: eager, with its inputs
+    state.kinds = tuple(isinstance(layer, RecurrentCache) for layer in cache)
+    logits, keys, values, windows, states, tapes, seen = step(
+        tokens, where, [layer.keys for layer in attention], [layer.values for layer in attention],
+        [layer.cache[0] for layer in recurrent], [layer.cache[1] for layer in recurrent],
+        *[inputs[name] for name in state.inputs])
     hidden.record(state.tags, seen)
-    for layer, k, v in zip(cache, keys, values):
+    for layer, k, v in zip(attention, keys, values):
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
+    if recurrent:
+        for layer, window, held in zip(recurrent, windows, states):
+            layer.cache[0], layer.cache[1] = window, held
+        _write_tapes(recurrent, state.tapes[(tuple(tokens.shape), len(recurrent))], tapes)
     return logits
 
 
@@ -304,7 +378,7 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any)
     n = tokens.shape[1]
     small = tokens.shape[0] * n <= COMPILED_POSITIONS
     state = _compiled(model) if enabled() and small else None
-    if state is None or cache.bounded or cache.layers[0].keys is None \
+    if state is None or cache.bounded or cache.recurrent or cache.layers[0].keys is None \
             or set(inputs) != set(state.inputs):
         cache.reserve(n)
         logits = model(tokens, cache=cache.layers, **inputs)
@@ -312,10 +386,11 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any)
         size = buffer_size(max(cache.lengths) + n)
         cache.reserve(n, size)
         _traced_shape(state, (tokens.shape[0], n, size, *_widths(inputs)))
-        logits, keys, values, seen = state.step(tokens, cache.offsets(),
-                                                [layer.keys for layer in cache.layers],
-                                                [layer.values for layer in cache.layers],
-                                                *[inputs[name] for name in state.inputs])
+        state.kinds = (False,) * len(cache.layers)
+        logits, keys, values, _, _, _, seen = state.step(
+            tokens, cache.offsets(), [layer.keys for layer in cache.layers],
+            [layer.values for layer in cache.layers], [], [],
+            *[inputs[name] for name in state.inputs])
         hidden.record(state.tags, seen)
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values = k, v

@@ -177,14 +177,14 @@ def _recording(fn: Callable, kind: str) -> Callable:
             out = trees.recur(fn, dict(arguments), _TIMED[kind], _STATE_ARG)
         else:
             out = fn(*args, **kwargs)
-        cache._recurrence(_Recurrence(kind, replay, arguments))
+        cache._recurrence(Recurrence(kind, replay, arguments))
         return out
 
     wrapped.__wrapped__ = fn
     return wrapped
 
 
-class _Recurrence:
+class Recurrence:
     """One recorded call of a recurrence function: replays its first n positions."""
 
     def __init__(self, kind: str, fn: Callable, arguments: dict[str, Any]) -> None:
@@ -218,7 +218,7 @@ class _Segment:
 
     def __init__(self, length: int, conv: mx.array, branched: bool = False) -> None:
         self.length, self.conv, self.branched = length, conv, branched
-        self.recurrence: _Recurrence | None = None
+        self.recurrence: Recurrence | None = None
 
     def reorder(self, order: mx.array) -> None:
         """Lay the positions out in `order` (rows, length): position j of row b becomes what
@@ -279,7 +279,7 @@ class RecurrentCache(ArraysCache):
             while len(self.tape) > 1 and total - self.tape[0].length >= self.reach:
                 total -= self.tape.pop(0).length
 
-    def _recurrence(self, record: _Recurrence) -> None:
+    def _recurrence(self, record: Recurrence) -> None:
         seg, self._open = self._open, None
         if seg is None or seg.recurrence is not None:
             raise RuntimeError("a recurrence ran without its convolution: this layer's pieces "
