@@ -25,7 +25,16 @@ from typing import Any
 import mlx.core as mx
 
 from .drafters import Proposals
-from .sampling import draw, process_logits, sample_rows, sampling_groups, seeded, warp, with_warp
+from .sampling import (
+    draw,
+    draw_at,
+    process_logits,
+    sample_rows,
+    sampling_groups,
+    seeded,
+    warp,
+    with_warp,
+)
 from .sampling.rejection import speculative_accept, speculative_accept_rows
 
 
@@ -62,9 +71,8 @@ def verify(rows: list[Any], proposals: Proposals, logits: mx.array,
     results: list[mx.array | None] = [None] * len(rows)
     kept: list[mx.array | None] = [None] * len(rows)
     for members in sampling_groups(rows, lambda j, r: j not in skip and _scaled_draw(r)).values():
-        scaled = logits[mx.array(members), 0].astype(mx.float32) / rows[
-            members[0]].sampling.temperature
-        tokens = sample_rows(mx.softmax(scaled, axis=-1), shared_key())
+        tokens = draw_at(logits[mx.array(members), 0], rows[members[0]].sampling.temperature,
+                         shared_key())
         for i, j in enumerate(members):
             results[j] = tokens[i : i + 1]
     for members in sampling_groups(rows, lambda j, r: j not in skip and not r.sampling.greedy

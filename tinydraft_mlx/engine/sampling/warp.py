@@ -135,6 +135,18 @@ def draw(logits: mx.array, params: SamplingParams, key: mx.array) -> tuple[mx.ar
     return with_warp(_with_draw, params)(logits, key)
 
 
+def draw_at(logits: mx.array, temperature: float, key: mx.array) -> mx.array:
+    """One `sample_rows` draw per row of softmax(logits / temperature) (a temperature alone:
+    no filter), in one compiled graph: a plain sampled step's host cost is then the greedy
+    step's (as separate ops, ~0.2 ms a token more on a tiny model on the CPU)."""
+    return _draw_at(logits, _values(temperature, 1.0, 0.0), key)
+
+
+@mx.compile
+def _draw_at(logits: mx.array, values: mx.array, key: mx.array) -> mx.array:
+    return sample_rows(mx.softmax(logits.astype(mx.float32) / values[0], axis=-1), key)
+
+
 def _with_draw(probs: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
     return probs, sample_rows(probs, key)
 
