@@ -188,3 +188,24 @@ def tree_shapes(r: dict) -> list[str]:
     lines += ["", "The demo drafter's tau is far below a published drafter's; the tree's gain "
                   "over the chain is the ratio to read."]
     return lines
+
+
+def peers(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**Ours, mlx-lm and mlx-vlm on hybrid and dense fixtures** (`python -m bench.peers`; "
+        f"tiny random models in the hub's layouts (Qwen3.5 with its vision tower and MTP "
+        f"tensors, Qwen3-Next, Qwen3), {s['dtype']}, {s['prompts']} prompts x {s['tokens']} "
+        f"tokens, each contender a process of its own, median of {s['repeats']} interleaved "
+        f"runs, mlx-vlm {s['mlx_vlm']} in its own environment, MKL for all; "
+        "[json](results/peers.json), [plot](results/peers.png)): decode tokens/s, and the ratio "
+        "to ours plain",
+        "",
+        "| fixture | contender | tok/s | vs ours | greedy == ours |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for key, cell in r["cells"].items():
+        for name, v in cell.items():
+            same = {None: "", True: "yes", False: "**no**"}[v.get("same_as_ours")]
+            lines.append(f"| {key} | {name} | {v['tok_s']:.0f} | {v['vs_ours']:.2f}x | {same} |")
+    return lines

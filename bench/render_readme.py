@@ -539,6 +539,7 @@ def main() -> None:
         ("dflash_shapes", render_blocks.dflash_shapes),
         ("trees", render_blocks.trees),
         ("tree_shapes", render_blocks.tree_shapes),
+        ("peers", render_blocks.peers),
     ]:
         data = _load(name)
         if data is not None:

@@ -98,3 +98,44 @@ def test_decode_gives_the_same_tokens_compiled_or_eager(hybrids, monkeypatch, fa
     assert traces(target) == 0
     eager = run()
     assert compiled == eager and len(set(compiled)) > 5
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "mamba2"])
+def test_a_batchs_compiled_forward_matches_eager_through_rollbacks(hybrids, family):
+    """Three rows of different lengths in a BatchCache: 40 forwards of 1 or 2 positions per row
+    (`forward_batch`, compiled) against the eager forward on a second BatchCache, each followed
+    half the time by a rollback of each row by its own amount; logits to float32 rounding, and
+    at the end every row's windows, states and keys/values."""
+    from tinydraft_mlx.engine.cache import layer_kinds
+    from tinydraft_mlx.engine.cache.batch import BatchCache
+    from tinydraft_mlx.engine.forward import forward_batch
+
+    target, _, _ = hybrids[family]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(200) for _ in range(n)] for n in (12, 20, 7)]
+    ours, eager = (BatchCache(layer_kinds(target), margin=4) for _ in range(2))
+    for rows in (ours, eager):
+        solo = []
+        for ids in prompts:
+            cache = make_cache(target, margin=4)
+            prefill(target, cache, ids)
+            solo.append(cache)
+        rows.add(solo)
+    before, worst = traces(target), 0.0
+    for _ in range(40):
+        n = rng.choice([1, 2])
+        tokens = mx.array([[rng.randrange(200) for _ in range(n)] for _ in prompts],
+                          dtype=mx.int32)
+        got = forward_batch(target, tokens, ours)
+        eager.reserve(n)
+        want = target(tokens, cache=eager.layers)
+        eager.advance(n)
+        worst = max(worst, mx.abs(got - want).max().item())
+        if rng.random() < 0.5:
+            keep = [length - rng.randrange(n + 1) for length in ours.lengths]
+            ours.rollback(keep)
+            eager.rollback(keep)
+    assert traces(target) > before and worst < 1e-4
+    for b in range(len(prompts)):
+        for a, c in zip(_layers(ours.extract(b)), _layers(eager.extract(b)), strict=True):
+            np.testing.assert_allclose(a, c, atol=1e-4)

@@ -246,6 +246,39 @@ def test_the_heads_cache_holds_the_target_states_of_accepted_positions(mtp):
                                       decoder.rows[0].seq, entries)
 
 
+def test_plain_stretches_of_a_head_row_are_pipelined_and_fed_to_the_head(mtp, monkeypatch):
+    """k="auto" playing 4 plain rounds between drafting ones (k = 2): the plain rounds are
+    queued ahead of the previous round's read, as a plain row's are (their captured target
+    states carried with them), the tokens are the oracle's, and the head's cache then holds
+    the oracle's states of the accepted positions (the plain stretches' fed as a backlog)."""
+    from tests.scripted import scripted
+
+    _, (target, head, tok), _, refs, oracle = mtp["qwen3_5"]
+    ids, ref = refs[0]
+    scripted(monkeypatch, (0, 0, 0, 0, 2))
+    queued = []
+    verify = BatchDecoder._verify
+
+    def counted(self, proposals, inputs=None):
+        queued.append(inputs is not None)
+        return verify(self, proposals, inputs)
+
+    monkeypatch.setattr(BatchDecoder, "_verify", counted)
+    decoder = BatchDecoder(target)
+    uid = decoder.insert(ids, draft="mtp", k="auto", max_tokens=NEW)
+    assert drain(decoder)[uid] == ref
+    assert sum(queued) >= 6, queued
+    decoder = BatchDecoder(target)
+    uid = decoder.insert(ids, draft="mtp", k="auto", max_tokens=NEW)
+    for _ in range(14):  # stop within a drafting stretch's commit: the head has read it all
+        decoder.step()
+    chain = next(c for c in decoder.drafting.chains.values() if isinstance(c, HeadChain))
+    entries = chain.caches.lengths[0]
+    assert entries > len(ids)
+    _assert_cache_holds_oracle_states([chain.caches.layers[0]], head, oracle,
+                                      decoder.rows[0].seq, entries)
+
+
 def _assert_cache_holds_oracle_states(cache, head, oracle, seq: list[int],
                                       entries: int | None = None) -> None:
     """The head's cache (its first `entries` entries: all by default) == the head run once on

@@ -19,7 +19,8 @@ zero; max |logit difference| 5.7e-6 on logits up to 10, float32, over 150 random
 rollbacks). The model's parameters are inputs of the compiled step, read at every call, so
 weights changed after a trace (`model.update`, fused adapters) are used as the eager forward uses
 them. Used for Qwen2, Qwen3, Llama and Mistral models (the architectures the tests check against
-the oracle, tests/test_architectures.py) on one process, and for a head that reads such a target's
+the oracle, tests/test_architectures.py) and the hybrids (Qwen3.5, Qwen3-Next, Nemotron-H, Granite
+4, Mamba-2; unbounded caches) on one process, and for a head that reads such a target's
 states (an MTP layer, an EAGLE-3 head: hidden.StateHead; the states are one more input of the
 step, the target's shared embeddings and head too). Bounded caches (`max_kv_size`,
 `RollbackRotatingKVCache`) are fixed-size buffers already: their step takes the write position as
@@ -29,6 +30,14 @@ cache's own position functions (cache.py), for forwards the cache writes in plac
 (CPU, plain and k = 2, max_kv_size 64), level with the unbounded compiled step. Everything else
 (other architectures such as Gemma 3, quantized caches, a longer forward into a bounded cache,
 tensor-parallel ranks, TINYDRAFT_COMPILE=0) runs the eager forward.
+
+A hybrid's recurrent layer (cache/recurrent.py) is a `_StateSlot` inside the step: its window and
+state are inputs and outputs, and what its tape records during the forward (the convolution's
+input, the recurrence's array arguments) becomes outputs too, from which the layer's tape is
+written after the call exactly as the eager forward writes it; a rollback then replays from it
+as after an eager verify. The tape's layout (which function, which argument names) is kept per
+traced shape. Tested against the eager forward through rollbacks on all six families, one
+sequence and batches (tests/test_forward_hybrid.py); a tree's verify (branches.py) stays eager.
 """
 
 from __future__ import annotations
@@ -378,22 +387,27 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any)
     n = tokens.shape[1]
     small = tokens.shape[0] * n <= COMPILED_POSITIONS
     state = _compiled(model) if enabled() and small else None
-    if state is None or cache.bounded or cache.recurrent or cache.layers[0].keys is None \
-            or set(inputs) != set(state.inputs):
+    recurrent = cache.recurrent
+    if state is None or cache.bounded or any(layer.keys is None for layer in cache.kv) \
+            or any(layer.empty() for layer in recurrent) or set(inputs) != set(state.inputs):
         cache.reserve(n)
         logits = model(tokens, cache=cache.layers, **inputs)
     else:
         size = buffer_size(max(cache.lengths) + n)
         cache.reserve(n, size)
-        _traced_shape(state, (tokens.shape[0], n, size, *_widths(inputs)))
-        state.kinds = (False,) * len(cache.layers)
-        logits, keys, values, _, _, _, seen = state.step(
-            tokens, cache.offsets(), [layer.keys for layer in cache.layers],
-            [layer.values for layer in cache.layers], [], [],
-            *[inputs[name] for name in state.inputs])
+        _traced_shape(state, (tokens.shape[0], n, size, len(recurrent), *_widths(inputs)))
+        state.kinds = tuple(isinstance(layer, RecurrentCache) for layer in cache.layers)
+        logits, keys, values, windows, states, tapes, seen = state.step(
+            tokens, cache.offsets(), [layer.keys for layer in cache.kv],
+            [layer.values for layer in cache.kv], [layer.cache[0] for layer in recurrent],
+            [layer.cache[1] for layer in recurrent], *[inputs[name] for name in state.inputs])
         hidden.record(state.tags, seen)
-        for layer, k, v in zip(cache.layers, keys, values):
+        for layer, k, v in zip(cache.kv, keys, values):
             layer.keys, layer.values = k, v
+        if recurrent:
+            for layer, window, held in zip(recurrent, windows, states):
+                layer.cache[0], layer.cache[1] = window, held
+            _write_tapes(recurrent, state.tapes[(tuple(tokens.shape), len(recurrent))], tapes)
     cache.advance(n)
     return logits
 

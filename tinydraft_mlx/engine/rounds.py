@@ -411,7 +411,6 @@ class BatchDecoder:
         round of a first token, one rank (or fixed k), and a row that goes on past this round."""
         return (not self.pending and not self._joined
                 and not any(r.processors for r in self.rows)
-                and not self.drafting.reads_target(self.rows)
                 and not any(r.choice is not None and r.choice.tree() for r in self.rows)
                 and not (self.ranks and any(r.acceptance is not None for r in self.rows))
                 and any(r.generated + 1 < r.max_tokens for r in self.rows))
