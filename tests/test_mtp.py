@@ -39,6 +39,7 @@ from tests.fixtures import (
     damp_layers,
     write_mtp,
 )
+from tests.hub_layouts import nest_as_hub
 from tests.reference import (
     check_first_two_in_batches,
     drain,
@@ -167,24 +168,8 @@ def test_a_hub_checkpoint_that_nests_its_text_model_gives_the_same_head(mtp, fam
     logits equal the independent reference's (its norms read as weight + 1, as the flat
     layout's), whether the nested config carries `full_attention_interval` (the hub's do) or
     only transformers 5's `layer_types`."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
     target_dir, _, _, refs, oracle = mtp[family]
-    hub = tmp_path / family
-    shutil.copytree(target_dir, hub)
-    text = json.loads((hub / "config.json").read_text())
-    text["model_type"] = f"{family}_text"
-    if interval:
-        text["full_attention_interval"] = text["layer_types"].index("full_attention") + 1
-    nested = {"model_type": family, "architectures": ["Qwen3_5ForConditionalGeneration"],
-              "text_config": text, "tie_word_embeddings": text.get("tie_word_embeddings", False),
-              "vision_config": {"depth": 1, "hidden_size": 16}}
-    (hub / "config.json").write_text(json.dumps(nested))
-    weights = load_file(str(hub / "model.safetensors"))
-    save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-               for k, v in weights.items()}, str(hub / "model.safetensors"))
+    hub = nest_as_hub(target_dir, tmp_path / family, family, interval)
     target, head, _ = load_models(str(hub), "mtp", dtype="float32")
     ids = refs[0][0] + refs[0][1][:8]
     expected, _ = _reference_head(target_dir, family, oracle, ids)
@@ -482,7 +467,6 @@ def test_a_server_without_the_mtp_layer_refuses_mtp_requests(mtp):
 
 
 def test_the_check_tool_and_the_cli_take_mtp(mtp, tmp_path, capsys):
-    import json
 
     from tinydraft_mlx.programs.check import main as check
     from tinydraft_mlx.programs.cli import main as cli

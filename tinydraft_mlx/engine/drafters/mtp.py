@@ -41,6 +41,7 @@ from .. import hidden
 from ..hidden import embeddings as target_embeddings
 
 MTP = "mtp"
+CONVERTED = "mtp.safetensors"  # where programs/convert.py writes the head beside a conversion
 SHIFTED_NORMS = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # weight + 1 is the scale
 _HEAD = "_tinydraft_mtp"  # the head attached to its target
 _DEEPSEEK = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
@@ -125,7 +126,7 @@ def read_tensors(path: str | Path, layers: int) -> dict[str, mx.array]:
     deep = f"model.layers.{layers}."
     out: dict[str, mx.array] = {}
     for file in files:  # only files whose header names MTP tensors are read
-        if not any(key.startswith(("mtp.", deep)) for key in _tensor_names(file)):
+        if not any(key.startswith(("mtp.", deep)) for key in tensor_names(file)):
             continue
         for key, value in mx.load(str(file)).items():
             if key.startswith("mtp."):
@@ -148,7 +149,7 @@ def read_tensors(path: str | Path, layers: int) -> dict[str, mx.array]:
     return out
 
 
-def _tensor_names(file: Path) -> list[str]:
+def tensor_names(file: Path) -> list[str]:
     """The tensor names a safetensors file holds, from its header (nothing else is read)."""
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
@@ -186,17 +187,20 @@ def _is_norm(name: str) -> bool:
     return len(parts) >= 2 and parts[-1] == "weight" and "norm" in parts[-2]
 
 
-def build_head(target: nn.Module, weights: dict[str, mx.array]) -> MtpHead:
-    """The head for `target` from its tensors (`read_tensors`' names), cast to the target's
-    dtype. MtpError where the tensors do not fit the target's layer."""
-    text = hidden.text_model(target)
-    args = text.args
+def _new_head(target: nn.Module) -> MtpHead:
+    """An MTP head for `target`, its layer the target's own full-attention class (unloaded)."""
+    args = hidden.text_model(target).args
     index, model_layer = attention_layer(target)
     cls = type(model_layer)
     kwargs = {"layer_idx": index} if "layer_idx" in inspect.signature(cls).parameters else {}
-    layer = cls(args, **kwargs)
-    size = args.hidden_size
-    head = MtpHead(target, layer, size, getattr(args, "rms_norm_eps", 1e-6))
+    return MtpHead(target, cls(args, **kwargs), args.hidden_size,
+                   getattr(args, "rms_norm_eps", 1e-6))
+
+
+def build_head(target: nn.Module, weights: dict[str, mx.array]) -> MtpHead:
+    """The head for `target` from its tensors (`read_tensors`' names), cast to the target's
+    dtype. MtpError where the tensors do not fit the target's layer."""
+    head = _new_head(target)
     weights = _experts(weights)
     if model_type(target) in SHIFTED_NORMS:
         weights = {k: v + 1.0 if _is_norm(k) and v.ndim == 1 else v for k, v in weights.items()}
@@ -217,6 +221,11 @@ def load_mtp(target: nn.Module, path: str | Path) -> MtpHead:
     states made capturable. MtpError (one sentence) where there are none or they do not fit."""
     if not hidden.watch(target):
         raise MtpError(f"{model_type(target)}: the final norm an MTP layer reads is not found")
+    converted = read_converted(path)
+    if converted is not None:  # programs/convert.py's file: the head's own parameters
+        head = build_converted(target, *converted)
+        attach(target, head)
+        return head
     layers = getattr(hidden.text_model(target).args, "num_hidden_layers", -1)
     weights = read_tensors(path, layers)
     if not weights:
@@ -226,6 +235,39 @@ def load_mtp(target: nn.Module, path: str | Path) -> MtpHead:
             "checkpoint (or a directory holding its mtp.* tensors)")
     head = build_head(target, weights)
     attach(target, head)
+    return head
+
+
+def read_converted(path: str | Path) -> tuple[dict[str, mx.array], dict] | None:
+    """The head's parameters and their quantization (empty: none) from a conversion's
+    `mtp.safetensors` (programs/convert.py: metadata `tinydraft_mtp` = "head"), None where
+    `path` holds none."""
+    path = Path(path)
+    file = path if path.is_file() else path / CONVERTED
+    if not file.is_file():
+        return None
+    weights, metadata = mx.load(str(file), return_metadata=True)
+    if metadata.get("tinydraft_mtp") != "head":
+        return None
+    params = {k.removeprefix("mtp."): v for k, v in weights.items() if k.startswith("mtp.")}
+    return params, json.loads(metadata.get("quantization") or "{}")
+
+
+def build_converted(target: nn.Module, weights: dict[str, mx.array],
+                    quantization: dict) -> MtpHead:
+    """The head from a conversion's parameters (already in the head's layout, quantized as
+    `quantization` says). MtpError where they do not fit the target."""
+    head = _new_head(target)
+    if quantization:
+        nn.quantize(head, quantization["group_size"], quantization["bits"],
+                    mode=quantization.get("mode", "affine"),
+                    class_predicate=lambda p, _: f"{p}.scales" in weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as err:
+        raise MtpError(f"the converted MTP layer does not fit this {model_type(target)}: "
+                       f"{err}") from None
+    mx.eval(head.parameters())
     return head
 
 
