@@ -52,6 +52,7 @@ from .bitwise import buffer_need, pad, trim
 from .bitwise import refusal as bitwise_refusal
 from .cache import KEEP, Cache, cache_length, can_cut, cut, layer_kinds, make_cache, rollback
 from .cache.batch import BatchCache, SingleCache
+from .cache.recurrent import RecurrentCache
 from .distributed import ranks_of
 from .drafters import Drafting, Proposals, resolve_drafter
 from .forward import PREFILL_STEP, model_inputs, prefill, trace_count, vocab_width
@@ -542,6 +543,7 @@ class BatchDecoder:
         self.target_cache.rollback(keep)
         self.drafting.commit(self.rows, befores, proposals, seen)
         if timed:
+            elapsed += self._settle(any(proposals.ks))
             for auto in self._auto_pairs().values():
                 if any(r.shape is not None for r in auto):
                     continue  # a tree's round is not a chain's cost
@@ -554,6 +556,20 @@ class BatchDecoder:
                 if done.target_cache is not None:
                     self.finished[uid] = done
         return out
+
+    def _settle(self, drafted: bool) -> float:
+        """The seconds a drafting round's rollback of recurrent layers takes (their replay is
+        lazy: left alone, the next round would run it, and a plain round after a drafting one
+        would be booked the drafting round's work); 0 otherwise."""
+        if not drafted:
+            return 0.0
+        states = [layer.cache for layer in self.target_cache.layers
+                  if isinstance(layer, RecurrentCache)]
+        if not states:
+            return 0.0
+        start = time.perf_counter()
+        mx.eval(states)
+        return time.perf_counter() - start
 
     @staticmethod
     def _emit(row: Row, tokens: list[int], n: int, logits: mx.array | None,
