@@ -248,3 +248,24 @@ def kept_rows(decoder, ids: list[int], rows: int, **insert) -> list:
     while not all(uid in decoder.finished for uid in uids):
         decoder.step()
     return [(ids + decoder.finished[uid].tokens, decoder.finished[uid]) for uid in uids]
+
+
+def decoded_compiled_and_eager(target, draft, ids: list[int], k: int, max_tokens: int,
+                               monkeypatch) -> tuple[list[int], list[int]]:
+    """Greedy tokens of `decode` (k = 0: plain) with the compiled forward, then with it off
+    (TINYDRAFT_COMPILE=0, set through `monkeypatch`), asserting that the first run traced (the
+    compiled step is what ran) and the second used nothing compiled."""
+    from tinydraft_mlx.engine import forward as forward_module
+    from tinydraft_mlx.engine.forward import COMPILE_ENV, traces
+    from tinydraft_mlx.engine.speculative import decode
+
+    def run():
+        return [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
+                                     max_tokens=max_tokens)]
+
+    forward_module.reset(target)
+    compiled = run()
+    assert traces(target) > 0
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert traces(target) == 0
+    return compiled, run()

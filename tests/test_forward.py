@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from tests.reference import decoded_compiled_and_eager
 from tests.scripted import scripted
 from tinydraft_mlx.engine import forward as forward_module
 from tinydraft_mlx.engine import skinny
@@ -118,16 +119,7 @@ def test_decode_gives_the_same_tokens_compiled_or_eager(pair, monkeypatch, k):
     target, draft, tok = pair
     ids = tok.encode(PROMPT)
 
-    def run():
-        return [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
-                                     max_tokens=80)]
-
-    forward_module.reset(target)
-    compiled = run()
-    assert traces(target) > 0  # this run traced: the compiled step is what ran
-    monkeypatch.setenv(COMPILE_ENV, "0")
-    assert traces(target) == 0  # off: nothing compiled is used
-    eager = run()
+    compiled, eager = decoded_compiled_and_eager(target, draft, ids, k, 80, monkeypatch)
     assert compiled == eager and len(set(compiled)) > 5  # non-degenerate
 
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from tests.fixtures import HYBRIDS, build_hybrid_pair
+from tests.reference import decoded_compiled_and_eager
 from tinydraft_mlx import load_models
-from tinydraft_mlx.engine import forward as forward_module
 from tinydraft_mlx.engine.cache import make_cache, rollback
 from tinydraft_mlx.engine.cache.recurrent import RecurrentCache
-from tinydraft_mlx.engine.forward import COMPILE_ENV, forward, traces
-from tinydraft_mlx.engine.speculative import decode, prefill
+from tinydraft_mlx.engine.forward import forward, traces
+from tinydraft_mlx.engine.speculative import prefill
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
@@ -87,16 +87,7 @@ def test_decode_gives_the_same_tokens_compiled_or_eager(hybrids, monkeypatch, fa
     target, draft, tok = hybrids[family]
     ids = tok.encode("def parse_args(self, args=None, namespace=None):")
 
-    def run():
-        return [t.id for t in decode(target, draft if k else None, ids, k=max(k, 1),
-                                     max_tokens=48)]
-
-    forward_module.reset(target)
-    compiled = run()
-    assert traces(target) > 0  # this run traced: the compiled step is what ran
-    monkeypatch.setenv(COMPILE_ENV, "0")
-    assert traces(target) == 0
-    eager = run()
+    compiled, eager = decoded_compiled_and_eager(target, draft, ids, k, 48, monkeypatch)
     assert compiled == eager and len(set(compiled)) > 5
 
 
