@@ -163,7 +163,7 @@ def test_refusals_are_one_line_and_a_failure_leaves_nothing(originals, tmp_path,
         assert "\n" not in err
     import tinydraft_mlx.engine.drafters.mtp as mtp
 
-    def broken(*_):
+    def broken(*_, **__):
         raise mtp.MtpError("the MTP tensors do not fit (injected)")
 
     monkeypatch.setattr(mtp, "build_head", broken)

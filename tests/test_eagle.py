@@ -261,3 +261,32 @@ def test_the_cli_and_the_check_tool_take_an_eagle3_directory(eagle, tmp_path, ca
                   "--json", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["greedy_identical"] and data["drafts"][0]["costs"]["t_d"] > 0
+
+
+def test_heads_beside_a_quantized_target_are_quantized_alike(eagle):
+    """A 4-bit target (group 32): its EAGLE-3 head and its MTP layer (float tensors: the
+    speculators directory, the original checkpoint's `mtp.*`) load quantized alike (their
+    linear layers 4-bit), draft, and greedy and seeded outputs equal that target's plain
+    decoding."""
+    import mlx.nn as nn
+
+    from tinydraft_mlx import load_head
+    from tinydraft_mlx.engine.drafters.eagle import load_eagle3
+
+    target, _, tok = load_models(str(eagle[0]), "none", dtype="float32")
+    nn.quantize(target, group_size=32, bits=4)
+    heads = {"eagle3": load_eagle3(target, eagle[1]), "mtp": load_head(target, eagle[0])}
+    assert isinstance(heads["eagle3"].fc, nn.QuantizedLinear)
+    assert isinstance(heads["mtp"].layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert {h.fc.bits for h in heads.values()} == {4}
+    for name, head in heads.items():
+        drafted = 0
+        for ids, _ in eagle[4][:2]:
+            plain, _ = generate(target, None, tok, ids, max_tokens=NEW)
+            out, stats = generate(target, head, tok, ids, k=3, max_tokens=NEW)
+            assert out == plain, name
+            drafted += stats.drafted
+            kw = dict(max_tokens=NEW, temperature=0.8, seed=3)
+            assert generate(target, head, tok, ids, k=3, **kw)[0] == \
+                generate(target, None, tok, ids, **kw)[0]
+        assert drafted > 0

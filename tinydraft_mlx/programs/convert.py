@@ -166,7 +166,7 @@ def add_mtp(body: Path, original: Path, *, keep_dtype: bool = False, check: bool
     if check:
         check_belongs(target, original)
     print(f"[tinydraft-mlx] building the MTP layer ({len(weights)} tensors)", flush=True)
-    head = build_head(target, weights)
+    head = build_head(target, weights, alike=False)
     quantization = None if keep_dtype else config.get("quantization")
     if quantization:
         quantization = {k: quantization[k] for k in ("group_size", "bits", "mode")

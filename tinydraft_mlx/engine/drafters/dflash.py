@@ -44,6 +44,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import hidden
+from .alike import quantize, quantize_alike
 from .mtp import MtpError
 
 DFLASH = "dflash"
@@ -408,26 +409,6 @@ def is_dflash(path: str | Path) -> bool:
     return any(a in ARCHITECTURES for a in arch)
 
 
-def _quantization(target: nn.Module) -> dict | None:
-    """The target's {"group_size", "bits"} where its embeddings are quantized, else None."""
-    table = hidden.embeddings(target)
-    if isinstance(table, nn.QuantizedEmbedding):
-        return {"group_size": table.group_size, "bits": table.bits}
-    return None
-
-
-def _quantize(draft: DFlashDraft, group_size: int, bits: int,
-              stored: dict[str, mx.array] | None = None) -> None:
-    """Quantize the drafter's linear layers (those a checkpoint stores quantized: `stored`'s
-    `.scales`; else every one whose input width the group size divides)."""
-    def chosen(path: str, module: nn.Module) -> bool:
-        if stored is not None:
-            return f"{path}.scales" in stored
-        return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
-
-    nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=chosen)
-
-
 def load_dflash(target: nn.Module, path: str | Path) -> DFlashDraft:
     """The DFlash drafter in directory `path` for `target` (its states made capturable), cast to
     the target's dtype; quantized as its checkpoint says (config "quantization"), or, where the
@@ -461,16 +442,16 @@ def load_dflash(target: nn.Module, path: str | Path) -> DFlashDraft:
                        f"this target's embeddings of size {size}")
     stored = raw.get("quantization") or raw.get("quantization_config")
     if stored:
-        _quantize(draft, int(stored["group_size"]), int(stored["bits"]), weights)
+        quantize(draft, int(stored["group_size"]), int(stored["bits"]),
+                 stored.get("mode", "affine"), weights)
     try:
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
         raise MtpError(f"{where}: the DFlash tensors do not fit its config: {err}") from None
     norm = hidden.final_norm(target)
     draft.set_dtype(norm.weight.dtype if norm is not None and "weight" in norm else mx.float32)
-    alike = None if stored else _quantization(target)
-    if alike is not None:
-        _quantize(draft, alike["group_size"], alike["bits"])
+    if not stored:
+        quantize_alike(draft, target)
     mx.eval(draft.parameters())
     if not hidden.watch(target, config.target_layer_ids):
         raise MtpError(f"{type(target).__name__}: the layers a DFlash drafter reads are not found")

@@ -36,6 +36,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import hidden
 from ..hidden import embeddings as target_embeddings
+from .alike import quantize_alike
 from .mtp import MtpError
 
 EAGLE3 = "eagle3"
@@ -126,7 +127,8 @@ def is_eagle3(path: str | Path) -> bool:
 
 def load_eagle3(target: nn.Module, path: str | Path) -> Eagle3Head:
     """The EAGLE-3 head in the speculators directory `path`, for `target` (its states made
-    capturable), cast to the target's dtype. MtpError (one sentence) where it does not fit."""
+    capturable), cast to the target's dtype, quantized as the target is where it is
+    (alike.py). MtpError (one sentence) where it does not fit."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     layer = dict(config.get("transformer_layer_config") or {})
@@ -165,6 +167,7 @@ def load_eagle3(target: nn.Module, path: str | Path) -> Eagle3Head:
     norm = hidden.final_norm(target)
     dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head.set_dtype(dtype)  # floating-point weights only: d2t stays int32
+    quantize_alike(head, target)  # beside a quantized target (alike.py)
     mx.eval(head.parameters())
     if not hidden.watch(target, head.after):
         raise MtpError(f"{type(target).__name__}: the layers an EAGLE-3 head reads are not found")

@@ -39,6 +39,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import hidden
 from ..hidden import embeddings as target_embeddings
+from .alike import quantize_alike
 
 MTP = "mtp"
 CONVERTED = "mtp.safetensors"  # where programs/convert.py writes the head beside a conversion
@@ -197,9 +198,10 @@ def _new_head(target: nn.Module) -> MtpHead:
                    getattr(args, "rms_norm_eps", 1e-6))
 
 
-def build_head(target: nn.Module, weights: dict[str, mx.array]) -> MtpHead:
+def build_head(target: nn.Module, weights: dict[str, mx.array], alike: bool = True) -> MtpHead:
     """The head for `target` from its tensors (`read_tensors`' names), cast to the target's
-    dtype. MtpError where the tensors do not fit the target's layer."""
+    dtype and, with `alike`, quantized as the target is where it is (alike.py). MtpError where
+    the tensors do not fit the target's layer."""
     head = _new_head(target)
     weights = _experts(weights)
     if model_type(target) in SHIFTED_NORMS:
@@ -211,6 +213,8 @@ def build_head(target: nn.Module, weights: dict[str, mx.array]) -> MtpHead:
     norm = hidden.final_norm(target)
     dtype = norm.weight.dtype if norm is not None and "weight" in norm else mx.float32
     head.set_dtype(dtype)
+    if alike:
+        quantize_alike(head, target)
     mx.eval(head.parameters())
     return head
 
