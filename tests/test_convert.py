@@ -170,3 +170,19 @@ def test_refusals_are_one_line_and_a_failure_leaves_nothing(originals, tmp_path,
     assert main(["--hf-path", str(original), "--mlx-path", str(tmp_path / "out"), *Q4]) == 2
     assert "injected" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_a_checkpoint_without_an_mtp_layer_converts_its_body_alone(tmp_path, capsys):
+    """As transformers 5 saved it (its RoPE keys under rope_parameters: converted through the
+    loader's config normalisation, which the conversion keeps for mlx-lm)."""
+    from mlx_lm import load
+
+    bare, _ = build_hybrid_pair(tmp_path, "qwen3_next")
+    out = tmp_path / "bare-4bit"
+    assert main(["--hf-path", str(bare), "--mlx-path", str(out), *Q4]) == 0
+    assert "has no MTP tensors: the body alone" in capsys.readouterr().out
+    assert not (out / "mtp.safetensors").exists()
+    assert "rope_theta" in json.loads((out / "config.json").read_text())
+    model, _ = load(str(out))
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
