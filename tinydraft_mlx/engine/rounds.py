@@ -542,9 +542,10 @@ class BatchDecoder:
             seen = None if seen is None else in_path_order(seen, paths)
         self.target_cache.rollback(keep)
         self.drafting.commit(self.rows, befores, proposals, seen)
-        if timed:
+        pairs = self._auto_pairs() if timed else {}
+        if pairs:  # what k="auto" books
             elapsed += self._settle(any(proposals.ks))
-            for auto in self._auto_pairs().values():
+            for auto in pairs.values():
                 if any(r.shape is not None for r in auto):
                     continue  # a tree's round is not a chain's cost
                 k = max(r.round_k for r in auto)
