@@ -70,17 +70,11 @@ def _median_ms(run, repeats: int = REPEATS) -> float:
     return round(1000 * statistics.median(times), 2)
 
 
-def worker(shape: str) -> dict:
-    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
-
+def measured_target(shape: str):
+    """(the random target of SHAPES[shape] built with MEASURED[shape] of its layers, its text
+    config, its full depth): the shape benchmarks' target."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3, qwen3_5
-
-    from tinydraft_mlx.engine import hidden
-    from tinydraft_mlx.engine.cache import make_cache, rollback
-    from tinydraft_mlx.engine.drafters.dflash import DFlashDraft, default_layer_ids
-    from training.dflash import drafter_config, new_drafter
 
     config = json.loads(json.dumps(SHAPES[shape]))
     text = config.get("text_config", config)
@@ -89,6 +83,21 @@ def worker(shape: str) -> dict:
     mx.random.seed(0)
     target = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(target.parameters())
+    return target, text, depth
+
+
+def worker(shape: str) -> dict:
+    from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from tinydraft_mlx.engine import hidden
+    from tinydraft_mlx.engine.cache import make_cache, rollback
+    from tinydraft_mlx.engine.drafters.dflash import DFlashDraft, default_layer_ids
+    from training.dflash import drafter_config, new_drafter
+
+    target, text, depth = measured_target(shape)
     layers = default_layer_ids(depth, DRAFT_LAYERS)  # as on the full target
     measured = [min(j, MEASURED[shape] - 2) for j in layers]  # the layers the small one has
     cfg = drafter_config(target, block_size=BLOCK, mask_token_id=0, layers=DRAFT_LAYERS,

@@ -178,13 +178,13 @@ def _ours(directory: Path, contender: str, temperature: float, prompts: list) ->
     k = contender.rsplit("-", 1)[1] if mtp else 1
     k = k if k == "auto" else int(k)
 
-    def run(ids, n, seed):
+    def run(ids, n):
         sampling = SamplingParams(temperature) if temperature else SamplingParams()
         return ((t.id, t.from_draft) for t in decode(target, head if mtp else None, ids, k=k,
                                                       max_tokens=n, sampling=sampling))
 
-    list(run(prompts[0], 16, 0))
-    rate, outs, extra = _rates(run(ids, TOKENS, i) for i, ids in enumerate(prompts))
+    list(run(prompts[0], 16))
+    rate, outs, extra = _rates(run(ids, TOKENS) for ids in prompts)
     return {"rate": rate, "outs": outs, **extra, "machine": machine()}
 
 

@@ -39,22 +39,15 @@ def worker(shape: str) -> dict:
     from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
 
     import mlx.core as mx
-    from mlx_lm.models import qwen3, qwen3_5
 
-    from bench.dflash_shapes import MEASURED, PROMPT, SHAPES, _median_ms
+    from bench.dflash_shapes import MEASURED, PROMPT, _median_ms, measured_target
     from tinydraft_mlx.engine import hidden
     from tinydraft_mlx.engine.cache import layer_kinds, make_cache
     from tinydraft_mlx.engine.cache.batch import BatchCache
     from tinydraft_mlx.engine.tree_verify import forward, layout
     from tinydraft_mlx.engine.trees import Tree
 
-    config = json.loads(json.dumps(SHAPES[shape]))
-    text = config.get("text_config", config)
-    depth, text["num_hidden_layers"] = text["num_hidden_layers"], MEASURED[shape]
-    module = qwen3 if config["model_type"] == "qwen3" else qwen3_5
-    mx.random.seed(0)
-    target = module.Model(module.ModelArgs.from_dict(config))
-    mx.eval(target.parameters())
+    target, text, depth = measured_target(shape)
     ids = [(7 * i) % 1000 + 10 for i in range(PROMPT)]
     margin = max(NS)  # a recurrent layer's tape holds a forward of n <= margin + 1 positions
     solo = make_cache(target, margin=margin)

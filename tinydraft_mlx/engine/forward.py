@@ -172,10 +172,13 @@ class _StateSlot(RecurrentCache):
                 [self.conv_input, *(rec.arguments[n] for n in names)])
 
 
-def _write_tapes(layers: list[RecurrentCache], layout: list[tuple], arrays: list[mx.array]
-                 ) -> None:
-    """Each recurrent layer's tape after a compiled step: the calls the eager forward makes on
-    it (its convolution's input, then its recurrence), from the step's outputs."""
+def _write_back(layers: list[RecurrentCache], windows: list[mx.array], states: list[mx.array],
+                layout: list[tuple], arrays: list[mx.array]) -> None:
+    """Each recurrent layer after a compiled step: its window and state, and its tape as the
+    eager forward writes it (its convolution's input, then its recurrence), from the step's
+    outputs."""
+    for layer, window, held in zip(layers, windows, states):
+        layer.cache[0], layer.cache[1] = window, held
     at = 0
     for layer, (width, kind, fn, names, rest) in zip(layers, layout, strict=True):
         conv, args = arrays[at], arrays[at + 1 : at + 1 + len(names)]
@@ -352,9 +355,8 @@ def forward(model: nn.Module, tokens: mx.array, cache: list[Any], *, reserve: in
         layer.keys, layer.values = k, v  # the old buffers' last references go: updated in place
         layer.offset += n
     if recurrent:
-        for layer, window, held in zip(recurrent, windows, states):
-            layer.cache[0], layer.cache[1] = window, held
-        _write_tapes(recurrent, state.tapes[(tuple(tokens.shape), len(recurrent))], tapes)
+        _write_back(recurrent, windows, states,
+                    state.tapes[(tuple(tokens.shape), len(recurrent))], tapes)
     return logits
 
 
@@ -405,9 +407,8 @@ def forward_batch(model: nn.Module, tokens: mx.array, cache: Any, **inputs: Any)
         for layer, k, v in zip(cache.kv, keys, values):
             layer.keys, layer.values = k, v
         if recurrent:
-            for layer, window, held in zip(recurrent, windows, states):
-                layer.cache[0], layer.cache[1] = window, held
-            _write_tapes(recurrent, state.tapes[(tuple(tokens.shape), len(recurrent))], tapes)
+            _write_back(recurrent, windows, states,
+                        state.tapes[(tuple(tokens.shape), len(recurrent))], tapes)
     cache.advance(n)
     return logits
 

@@ -51,7 +51,6 @@ class Branches:
                     raise ValueError(f"node {i}'s parent {p} is not laid out before it")
                 depth.append(0 if p < 0 else depth[p] + 1)
             depths.append(depth)
-        self.depths = depths
         # the recurrence's calls: depth by depth, a depth's nodes in pieces of at most `wide`
         # (each call's states stay in the CPU's caches); per call the flat (row * nodes + i)
         # index of each node and where its parent's state is: (call, index in it), call -1 for

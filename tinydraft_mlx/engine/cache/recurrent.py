@@ -174,7 +174,7 @@ def _recording(fn: Callable, kind: str) -> Callable:
             return fn(*args, **kwargs)
         arguments = dict(signature.bind(*args, **kwargs).arguments)
         if trees is not None:  # a tree forward: along each branch (branches.py)
-            out = trees.recur(fn, dict(arguments), _TIMED[kind], _STATE_ARG)
+            out = trees.recur(fn, arguments, _TIMED[kind], _STATE_ARG)
         else:
             out = fn(*args, **kwargs)
         cache._recurrence(Recurrence(kind, replay, arguments))

@@ -39,7 +39,7 @@ from mlx_lm.models.cache import KVCache
 
 from .. import hidden
 from ..hidden import embeddings as target_embeddings
-from .alike import quantize_alike
+from .alike import quantize, quantize_alike
 
 MTP = "mtp"
 CONVERTED = "mtp.safetensors"  # where programs/convert.py writes the head beside a conversion
@@ -263,9 +263,8 @@ def build_converted(target: nn.Module, weights: dict[str, mx.array],
     `quantization` says). MtpError where they do not fit the target."""
     head = _new_head(target)
     if quantization:
-        nn.quantize(head, quantization["group_size"], quantization["bits"],
-                    mode=quantization.get("mode", "affine"),
-                    class_predicate=lambda p, _: f"{p}.scales" in weights)
+        quantize(head, quantization["group_size"], quantization["bits"],
+                 quantization.get("mode", "affine"), stored=weights)
     try:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
