@@ -29,3 +29,88 @@ def nest_as_hub(target_dir: Path, hub: Path, family: str, interval: bool = True)
     save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
                for k, v in weights.items()}, str(hub / "model.safetensors"))
     return hub
+
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# renders {"type": "image"} parts as Qwen's templates do
+VISION_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_vision(root: Path, target_dir: Path, draft_dir: Path, mtp: dict) -> tuple[Path, Path]:
+    """A Qwen3.5 vision-language checkpoint in the hub's layout (root/vision/target) whose
+    language model is the flat Qwen3.5 text checkpoint in `target_dir` (its MTP tensors `mtp`,
+    hub-named, beside them), with a one-block vision tower (initialised at 0.2, so that images
+    change the output), the Qwen vision tokens added to the tokenizer (their rows of the LM head
+    zeroed), a chat template rendering
+    image parts, and an image processor config (16-pixel patches merged 2 x 2, at most 64 x 64
+    pixels); and root/vision/draft: the text draft in `draft_dir` widened to the target's
+    vocabulary (its embeddings and head padded with the target's rows), so that it can read the
+    image tokens."""
+    import json
+    import shutil
+
+    import numpy as np
+    import torch
+    import transformers as tf
+    from safetensors.numpy import load_file, save_file
+
+    out, draft_out = root / "vision" / "target", root / "vision" / "draft"
+    tokenizer = tf.AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VISION_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = json.loads((target_dir / "config.json").read_text())
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                               "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, num_position_embeddings=64,
+                  initializer_range=0.2)
+    config = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                              vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+                              image_token_id=ids[2], video_token_id=ids[3])
+    torch.manual_seed(0)
+    model = tf.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.model.visual.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else None
+    model.save_pretrained(out)
+    weights = load_file(str(out / "model.safetensors"))
+    for name, value in load_file(str(target_dir / "model.safetensors")).items():
+        hub = "model.language_model." + name[len("model."):] if name.startswith("model.") \
+            else name
+        assert hub in weights and weights[hub].shape == value.shape, name
+        weights[hub] = value
+    weights.update(mtp)
+    head = weights["lm_head.weight"].copy()
+    head[ids] = 0.0  # the vision tokens are read, never written
+    weights["lm_head.weight"] = head
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    written = json.loads((out / "config.json").read_text())
+    written["text_config"]["full_attention_interval"] = text["layer_types"].index(
+        "full_attention") + 1  # as the hub's configs carry it
+    (out / "config.json").write_text(json.dumps(written, indent=1))
+    tokenizer.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 32 * 32,
+        "max_pixels": 64 * 64, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    shutil.copytree(draft_dir, draft_out)
+    tokenizer.save_pretrained(draft_out)
+    width = text["vocab_size"]
+    draft = load_file(str(draft_out / "model.safetensors"))
+    target = load_file(str(target_dir / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = draft[name].shape[0]
+        draft[name] = np.concatenate([draft[name], target[name][rows:width]])
+    save_file(draft, str(draft_out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((draft_out / "config.json").read_text())
+    config["vocab_size"] = width
+    (draft_out / "config.json").write_text(json.dumps(config, indent=1))
+    return out, draft_out

@@ -48,3 +48,33 @@ class Oracle:
             if token == eos:
                 break
         return out, float(margin)
+
+
+class VisionOracle(Oracle):
+    """The oracle of a vision-language checkpoint (transformers' Qwen3.5 with its vision tower),
+    bound to one prompt's images: `bind(inputs)` -> an oracle whose `logits(ids)` runs `ids`
+    (that prompt, then any continuation) with those pixel inputs (mlx-vlm's processor's, as
+    numpy), image positions marked as transformers marks them (`mm_token_type_ids`)."""
+
+    def __init__(self, directory: Path, image_token_id: int):
+        import torch
+        from transformers import AutoModelForImageTextToText
+
+        self.torch = torch
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            directory, dtype=torch.float32).eval()
+        self.image_token_id = image_token_id
+        self.inputs: dict = {}
+
+    def bind(self, inputs: dict) -> VisionOracle:
+        bound = object.__new__(VisionOracle)
+        bound.__dict__.update(self.__dict__)
+        bound.inputs = {k: self.torch.tensor(np.array(v)) for k, v in inputs.items()}
+        return bound
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        tokens = self.torch.tensor([ids])
+        marks = (tokens == self.image_token_id).long()
+        with self.torch.no_grad():
+            out = self.model(input_ids=tokens, mm_token_type_ids=marks, **self.inputs).logits[0]
+        return out.double().numpy()

@@ -138,17 +138,19 @@ def windowed_logits(model, ids, window: int, keep: int = 4) -> np.ndarray:
     return np.array(model(mx.array([ids]), cache=cache)[0].astype(mx.float32)).astype(np.float64)
 
 
-def prefilled(make_decoder, ids: list[int], draft):
+def prefilled(make_decoder, ids: list[int], draft, prefill=None):
     """A prompt cache holding `ids` for `draft` (a `draft` argument, resolved in the context of
-    a decoder from `make_decoder()`), filled by the engine itself: rows that start from copies
-    of it (`insert_from`) skip the prefill, the bulk of a short row's cost."""
+    a decoder from `make_decoder()`), filled by the engine itself (`prefill`: the prompt's own,
+    a prompt with images'): rows that start from copies of it (`insert_from`) skip the prefill,
+    the bulk of a short row's cost."""
     from tinydraft_mlx import PromptCache
     from tinydraft_mlx.engine.drafters import resolve_drafter
     from tinydraft_mlx.generation.batching import record_caches
 
     decoder = make_decoder()
     source = resolve_drafter(draft, decoder.draft, decoder.target)
-    uid = decoder.insert(ids, draft=source, k=1, max_tokens=1, keep_caches=True)
+    uid = decoder.insert(ids, draft=source, k=1, max_tokens=1, keep_caches=True,
+                         prefill=prefill)
     drain(decoder)
     cache = PromptCache(decoder.target, source)
     assert record_caches(cache, decoder.remove(uid), ids, [])
@@ -166,23 +168,24 @@ def insert_from(decoder, cache, ids: list[int], **kwargs) -> int:
 def check_first_two_in_batches(make_decoder, ids: list[int], draft, sampling, companions,
                                prompts: list[list[int]], exact: dict, wrong: dict,
                                batches: int = 30, rows: int = 40, every: int = 20,
-                               **insert) -> None:
+                               prefill=None, **insert) -> None:
     """Sample the first two tokens after `ids` in `batches` x `rows` rows drafting with `draft`
     (k = 2, `sampling`, `insert`: more arguments of those rows), inside batches from
     `make_decoder()` that a companion (sampling, draft, k), on prompts[j // every], joins every
     `every` rows; assert that the accept and the resample path both occurred, that the
     chi-square against the exact joint is below the suite's threshold and against the wrong
-    joint above it."""
+    joint above it. `prefill`: the prompt's own (a prompt with images'), for the prefill and
+    for every row (a row whose copy cannot be cut back to the prompt prefills it anew)."""
     from collections import Counter
 
     counts, paths = Counter(), Counter()
-    cache = prefilled(make_decoder, ids, draft)
+    cache = prefilled(make_decoder, ids, draft, prefill)
     for batch in range(batches):
         decoder = make_decoder()
         uids = []
         for j in range(rows):
             uids.append(insert_from(decoder, cache, ids, draft=draft, k=2, max_tokens=3,
-                                    sampling=sampling, **insert))
+                                    sampling=sampling, prefill=prefill, **insert))
             if j % every == 0:
                 s, kind, k = companions[(batch + j // every) % len(companions)]
                 decoder.insert(prompts[j // every], draft=kind, k=k, max_tokens=4 + j // 8,

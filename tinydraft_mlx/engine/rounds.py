@@ -68,7 +68,7 @@ from .policy import (
 )
 from .sampling import ParameterError, Processor, SamplingParams
 from .sampling.rejection import greedy_accept_ids
-from .sequence import Finished, Row, Token
+from .sequence import Finished, OwnPrefill, Row, Token
 from .stats import GenerationStats
 from .tree_verify import check_budget, choices, compact, in_path_order, layout, shapes
 from .tree_verify import forward as tree_forward
@@ -177,6 +177,7 @@ class BatchDecoder:
         logprobs: bool = False,
         keep_caches: bool = False,
         tree: int | None = None,
+        prefill: OwnPrefill | None = None,
     ) -> int:
         """Queue a sequence; returns its uid. Arguments are assumed valid (the API checks them):
         `draft` is anything `resolve_drafter` takes whose model (if any) is the decoder's
@@ -185,7 +186,8 @@ class BatchDecoder:
         `keep_caches`: keep the sequence's caches for `remove` / `finished`; `tree`: verify
         candidate trees of at most this many nodes (trees.py; k is their depth limit, and
         with k="auto" each round a tree of this many nodes or fewer, its drafter's reach deep,
-        or the k="auto" chain: `TreeChoice`) instead of chains."""
+        or the k="auto" chain: `TreeChoice`) instead of chains; `prefill`: the prompt's own
+        prefill (`OwnPrefill`: a prompt with images), run whole where it covers the rest."""
         if not prompt:
             raise ParameterError("prompt", "at least one token", prompt)
         if self.single and len(self):
@@ -228,7 +230,8 @@ class BatchDecoder:
         row = Row(self._uid, list(prompt), len(prompt), source, k_cap, sampling,
                   mx.random.key(self._seed(sampling.seed)), frozenset(eos_token_ids),
                   max_tokens, list(logits_processors), stats, logprobs, keep_caches,
-                  target_cache=target_cache, draft_cache=draft_cache, tree=tree)
+                  target_cache=target_cache, draft_cache=draft_cache, tree=tree,
+                  prefill=prefill)
         if k == AUTO and source.drafts:
             pair = shared_policy(self.target, source.policy_key, max(AUTO_MAX_K, reach))
             row.acceptance = pair.acceptance(sampling_regime(sampling))
@@ -315,16 +318,20 @@ class BatchDecoder:
         joined = []
         while self.pending and left > 0 and not (self.single and self.rows):
             row = self.pending[0]
-            todo = row.seq[cache_length(row.target_cache) : -1]
-            chunk = todo if left >= len(todo) else todo[: int(left)]
-            done = None if progress is None else _progress(progress, len(todo))
             start, at = time.perf_counter(), cache_length(row.target_cache)
+            todo = row.seq[at:-1]
+            own = row.prefill if row.prefill and row.prefill.covers(at) else None
+            chunk = todo if left >= len(todo) or own else todo[: int(left)]
+            done = None if progress is None else _progress(progress, len(todo))
             reads = self.drafting.reads_target([row])  # a head's row reads the target's states
             with mx.stream(self.stream), (capture() if reads else nullcontext([])) as seen:
                 if done is not None:
                     done(0)
-                prefill(self.target, row.target_cache, chunk, progress=done)
-                rest = left - len(chunk)
+                if own is not None:
+                    own.prefill(self.target, row.target_cache, len(row.seq) - 1, done)
+                else:
+                    prefill(self.target, row.target_cache, chunk, progress=done)
+                rest = max(0, left - len(chunk))
                 fed, ready = self.drafting.admit(row, row.draft_cache,
                                                  None if rest == math.inf else int(rest),
                                                  list(seen), at)

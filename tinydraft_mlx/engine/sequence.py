@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -15,7 +16,19 @@ from .sampling import Processor, SamplingParams
 from .stats import GenerationStats
 from .trees import Tree
 
-__all__ = ["Finished", "Row", "Token"]
+__all__ = ["Finished", "OwnPrefill", "Row", "Token"]
+
+
+class OwnPrefill(Protocol):
+    """A prompt's own prefill, where the target's forward over its ids is not the prompt (a
+    prompt with images: vision/prefill.py). `covers(start)`: whether the prompt from position
+    `start` on needs it; `prefill(target, cache, end, progress)` fills the one-sequence cache
+    from its length to position `end` (and hands a head's states to the open capture)."""
+
+    def covers(self, start: int) -> bool: ...
+
+    def prefill(self, target: Any, cache: Cache, end: int,
+                progress: Callable[[int], None] | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Row:
     budget: int | None = None  # this round's tree budget (None: a chain)
     shape: Tree | None = None  # this round's tree
     draft_end: int | None = None  # after a tree round: how far a draft model's view still holds
+    prefill: OwnPrefill | None = None  # the prompt's own prefill (None: the target's forward)
 
     @property
     def generated(self) -> int:

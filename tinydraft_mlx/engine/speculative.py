@@ -19,6 +19,7 @@ from .forward import PREFILL_STEP, prefill, vocab_width
 from .policy import DEFAULT_K
 from .rounds import BatchDecoder, Progress, Token, max_draft_length
 from .sampling import Processor, SamplingParams
+from .sequence import OwnPrefill
 
 __all__ = ["PREFILL_STEP", "Processor", "Progress", "Token", "decode", "max_draft_length",
            "prefill", "vocab_width"]
@@ -40,6 +41,7 @@ def decode(
     bitwise: bool = False,
     max_kv_size: int | None = None,
     tree: int | None = None,
+    prefill: OwnPrefill | None = None,
 ) -> Iterator[Token]:
     """Yield generated tokens as rounds are accepted. Arguments are assumed valid (see
     `api.stream_generate`). `draft` is anything `drafters.resolve_drafter` takes (a model, a
@@ -51,7 +53,8 @@ def decode(
     carries the same number of positions (`bitwise.py`): greedy output is plain greedy
     decoding's bit for bit. `max_kv_size`: the bound of caches the decoder makes itself (a
     head's, where none is passed), as `make_cache` bounds one. `tree`: verify candidate
-    trees of at most this many nodes (trees.py) instead of chains.
+    trees of at most this many nodes (trees.py) instead of chains. `prefill`: the prompt's own
+    prefill (a prompt with images: `tinydraft_mlx.vision`).
 
     As mlx-lm's loop: device work runs on a dedicated generation stream, and the wired-memory
     limit is raised to the device's recommended working set for the generation (Metal; a no-op
@@ -63,7 +66,7 @@ def decode(
     uid = decoder.insert(prompt, draft=source, k=k, max_tokens=max_tokens, sampling=sampling,
                          eos_token_ids=eos_token_ids, logits_processors=logits_processors,
                          target_cache=target_cache, draft_cache=draft_cache, logprobs=True,
-                         keep_caches=True, tree=tree)
+                         keep_caches=True, tree=tree, prefill=prefill)
     with wired_limit((target, source.model), [decoder.stream]):
         seq: list[int] = []
         try:  # from the prefill on: however it ends, `finally` leaves the caches consistent

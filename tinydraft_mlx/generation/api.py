@@ -25,6 +25,7 @@ from ..engine.sampling import ParameterError, Processor, SamplingParams, check_i
 from ..engine.speculative import decode
 from ..engine.stats import GenerationStats
 from ..engine.tree_verify import refusal as tree_refusal
+from ..vision import VisionPrefill, has_image_parts, vision_of, vision_prompt
 from .options import Options, check_vocab, make_options
 from .prompt_cache import PromptCache
 from .text import GenerationResponse, Messages, prompt_ids, responses
@@ -67,6 +68,7 @@ def stream_generate(
     chat_template: str | None = None,
     bitwise: bool = False,
     tree: int | None = None,
+    images: Sequence[Any] | None = None,
     options: Options | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `target`, drafting with `draft`, yielding a `GenerationResponse` per token as
@@ -120,6 +122,11 @@ def stream_generate(
     expansion for a block drafter; k is the tree's depth limit; with k="auto" each round takes
     the tree, the drafter's reach deep, or the k="auto" chain, whichever has recently paid more).
     Exact as chains are; attention targets (no recurrent layers), no logits processors.
+    images: for a vision-language target (`load_models` attaches the checkpoint's vision tower
+    where mlx-vlm is installed: `pip install 'tinydraft-mlx[vision]'`): paths, encoded bytes,
+    PIL images or (H, W, 3) uint8 arrays, one per {"type": "image"} part of the chat messages
+    (or per image token, `<|image_pad|>` for Qwen, in a string prompt). mlx-vlm prefills the
+    prompt; the engine decodes with any drafter (`tinydraft_mlx.vision`).
     """
     given = dict(k=k, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  min_p=min_p, seed=seed, max_kv_size=max_kv_size,
@@ -131,7 +138,7 @@ def stream_generate(
                  stop=stop, chat_template=chat_template, bitwise=bitwise, tree=tree)
     options = options_from(options, given, vocab_width(target))
     plan = prepare(target, draft, tokenizer, prompt, options, prompt_cache=prompt_cache,
-                   prompt_progress_callback=prompt_progress_callback)
+                   prompt_progress_callback=prompt_progress_callback, images=images)
     return run_prepared(target, plan, tokenizer)
 
 
@@ -152,10 +159,10 @@ def run_prepared(target: nn.Module, plan: Prepared, tokenizer: Any) -> Iterator[
             sampling=plan.sampling, eos_token_ids=plan.eos, target_cache=target_cache,
             draft_cache=draft_cache, logits_processors=plan.processors,
             prompt_progress_callback=plan.progress, bitwise=plan.options.bitwise,
-            max_kv_size=plan.max_kv_size, tree=plan.options.tree,
+            max_kv_size=plan.max_kv_size, tree=plan.options.tree, prefill=plan.prefill,
         )
 
-    return _stream(steps, caches, tokenizer, plan.options.stop, plan.eos, prompt_cache, plan.ids)
+    return _stream(steps, caches, tokenizer, plan, prompt_cache)
 
 
 def options_from(options: Options | None, given: dict[str, Any],
@@ -193,24 +200,41 @@ class Prepared:
     max_kv_size: int | None
     prompt_cache: PromptCache | None
     progress: Progress | None = None
+    prefill: VisionPrefill | None = None  # a prompt with images: mlx-vlm prefills it
+    key: list[Any] | None = None  # what a prompt cache matches (None: the ids)
+
+    @property
+    def cache_key(self) -> list[Any]:
+        """The prompt as a prompt cache matches it: its ids, image positions named by image."""
+        return self.ids if self.key is None else self.key
+
+    def reusable(self, common: int) -> int:
+        """How much of a cached common prefix this prompt's prefill may start after."""
+        return common if self.prefill is None else self.prefill.prompt.reusable(common)
 
 
 def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options: Options, *,
             prompt_cache: PromptCache | None = None,
             prompt_progress_callback: Progress | None = None,
-            model: nn.Module | None = None) -> Prepared:
+            model: nn.Module | None = None, images: Sequence[Any] | None = None,
+            own: VisionPrefill | None = None) -> Prepared:
     """Check what depends on the models (the drafter, the prompt, the logit bias's token ids, a
     prompt cache, the KV bound against a round's length) for a generation of checked `options`;
     ParameterError / PromptCacheError naming the parameter, the allowed range and the value
     received. `model`: the draft model that the names "model" and "hybrid" mean (a server's).
-    `stream_generate`, `batch_generate` and the server all go through it."""
+    `images`: the prompt's (`stream_generate`); `own`: a prompt with images already made
+    (`vision_prefill`), whose ids are the prompt. `stream_generate`, `batch_generate` and the
+    server all go through it."""
     drafter = resolve_drafter(draft, model, target)
     width = vocab_width(target)
     check_vocab(options, width)
     if prompt_progress_callback is not None and not callable(prompt_progress_callback):
         raise ParameterError("prompt_progress_callback", "a callable f(processed, total)",
                              prompt_progress_callback)
-    ids = prompt_ids(tokenizer, prompt, width, options.chat_template)
+    if images is not None or has_image_parts(prompt):
+        own = vision_prefill(target, prompt, images or [], options.chat_template)
+    ids = prompt_ids(tokenizer, prompt, width, options.chat_template) if own is None \
+        else own.prompt.ids
     k = options.k
     k_eff = max(max_draft_length(drafter, k), options.tree or 0)  # a tree's nodes roll back too
     max_kv_size = options.max_kv_size
@@ -238,7 +262,32 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
         prompt_cache.check_models(target, drafter.model)
         prompt_cache.check_free()
     return Prepared(ids, drafter, options, k_eff, options.sampling, options.processors(),
-                    eos_ids(tokenizer), max_kv_size, prompt_cache, prompt_progress_callback)
+                    eos_ids(tokenizer), max_kv_size, prompt_cache, prompt_progress_callback,
+                    own, None if own is None else own.prompt.keys)
+
+
+def vision_prefill(target: nn.Module, prompt: Any, images: Sequence[Any],
+                   chat_template: str | None = None) -> VisionPrefill | None:
+    """The prefill of `prompt` with `images` for `target` (None where neither the images nor
+    the prompt's message parts hold one); ParameterError / VisionError (one sentence) where the
+    target cannot see them or they do not fit the prompt."""
+    if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+        raise ParameterError("images", "a list of images (paths, encoded bytes, PIL images or "
+                             "(H, W, 3) arrays)", type(images).__name__)
+    if not images and not has_image_parts(prompt):
+        return None
+    vision = vision_of(target)
+    if vision is None:
+        raise ParameterError("images", "given to a vision-language target only (load_models "
+                             "attaches a checkpoint's vision tower where mlx-vlm is installed: "
+                             "pip install 'tinydraft-mlx[vision]')",
+                             f"{len(images)} images" if images else "image parts")
+    own = VisionPrefill(vision, vision_prompt(vision, prompt, list(images), chat_template))
+    width = vocab_width(target)
+    if width is not None and max(own.prompt.ids) >= width:
+        raise ParameterError("prompt", f"token ids below the target's vocabulary of {width}",
+                             max(own.prompt.ids))
+    return own
 
 
 def check_tree(target: nn.Module, drafter: Source, options: Options,
@@ -256,22 +305,23 @@ def check_tree(target: nn.Module, drafter: Source, options: Options,
         raise ParameterError("tree", why, options.tree)
 
 
-def _stream(steps, caches, tokenizer, stops, eos, prompt_cache,
-            ids) -> Iterator[GenerationResponse]:
+def _stream(steps, caches, tokenizer, plan: Prepared,
+            prompt_cache) -> Iterator[GenerationResponse]:
     """The responses. A prompt cache is taken when the generation starts (one live generation
     per cache: a second is refused) and reused then; whatever ends the generation (its end, a
     stop string, close, an error, in the prefill too), the loop is closed (its caches rolled
     back), the prompt cache records what its caches hold, and is free again."""
+    stops, eos, key = plan.options.stop, plan.eos, plan.cache_key
     if prompt_cache is not None:
         with prompt_cache.taken():
-            prompt_cache.reuse(ids)
+            prompt_cache.reuse(key, plan.reusable)
             yield from _responses(steps(prompt_cache.target_cache, prompt_cache.draft_cache),
-                                  tokenizer, stops, eos, prompt_cache, ids)
+                                  tokenizer, stops, eos, prompt_cache, key)
     else:
-        yield from _responses(steps(*caches), tokenizer, stops, eos, None, ids)
+        yield from _responses(steps(*caches), tokenizer, stops, eos, None, key)
 
 
-def _responses(steps, tokenizer, stops, eos, prompt_cache, ids) -> Iterator[GenerationResponse]:
+def _responses(steps, tokenizer, stops, eos, prompt_cache, key) -> Iterator[GenerationResponse]:
     emitted: list[int] = []
     try:
         for response in responses(steps, tokenizer, stops, eos):
@@ -281,7 +331,7 @@ def _responses(steps, tokenizer, stops, eos, prompt_cache, ids) -> Iterator[Gene
         steps.close()
         if prompt_cache is not None:  # the target holds all of tokens but the last
             held = cache_length(prompt_cache.target_cache)
-            prompt_cache.tokens = (ids + emitted)[: held + 1]
+            prompt_cache.tokens = (key + emitted)[: held + 1]
 
 
 def generate(

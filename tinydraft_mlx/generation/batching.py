@@ -28,6 +28,7 @@ from .prompt_cache import MARGIN, PromptCache
 from .text import Messages, responses
 
 PER_PROMPT = ("max_tokens", "stop", "seed", "prompt_cache")  # may be one per prompt
+# `images`: always one entry per prompt (a list of that prompt's images, or None)
 
 
 def batch_generate(
@@ -40,7 +41,8 @@ def batch_generate(
     """Generate for every prompt at once, in batched rounds: one `(token ids, stats)` per prompt,
     in order. Takes `generate`'s keyword arguments (k, max_tokens, temperature, top_p, top_k,
     min_p, seed, max_kv_size, logits processors and penalties, stop, prompt_cache, bitwise);
-    max_tokens, stop, seed and prompt_cache may also be lists, one entry per prompt. Where the
+    max_tokens, stop, seed and prompt_cache may also be lists, one entry per prompt. `images`
+    (a vision-language target): one entry per prompt, its list of images or None. Where the
     sequences cannot share forwards (bitwise=True, a tensor-parallel target), they run one after
     another.
 
@@ -56,16 +58,23 @@ def batch_generate(
                              kwargs["prompt_progress_callback"])
     options = kwargs.pop("options", None)
     kwargs.pop("prompt_progress_callback", None)
+    images = kwargs.pop("images", None)
     unknown = sorted(set(kwargs) - set(FIELDS) - {"prompt_cache"})
     if unknown:
         raise TypeError(f"batch_generate() got unexpected keyword arguments {unknown}")
     width = vocab_width(target)
+    if images is not None and (not isinstance(images, Sequence) or isinstance(images, str)
+                               or len(images) != len(prompts)):
+        raise ParameterError("images", f"a list of {len(prompts)} entries (each prompt's list "
+                             "of images, or None)", type(images).__name__ if not isinstance(
+                                 images, Sequence) else f"{len(images)} entries")
     plans = []
     for i, prompt in enumerate(prompts):
         settings = _settings(kwargs, i, len(prompts))
         cache = settings.pop("prompt_cache", None)
         plans.append(prepare(target, draft, tokenizer, prompt,
-                             options_from(options, settings, width), prompt_cache=cache))
+                             options_from(options, settings, width), prompt_cache=cache,
+                             images=None if images is None else images[i]))
     caches = [p.prompt_cache for p in plans if p.prompt_cache is not None]
     if len({id(c) for c in caches}) < len(caches):
         raise ParameterError("prompt_cache", "a different PromptCache for every prompt",
@@ -120,14 +129,14 @@ def _run(decoder: BatchDecoder, plans: list[Prepared],
         target_cache = draft_cache = None
         cache = plan.prompt_cache
         if cache is not None:
-            cache.reuse(plan.ids)
+            cache.reuse(plan.cache_key, plan.reusable)
             target_cache, draft_cache = cache.target_cache, cache.draft_cache
         uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.options.k,
                              max_tokens=plan.options.max_tokens,
                              sampling=plan.sampling, eos_token_ids=plan.eos,
                              logits_processors=plan.processors, target_cache=target_cache,
                              draft_cache=draft_cache, keep_caches=cache is not None,
-                             tree=plan.options.tree)
+                             tree=plan.options.tree, prefill=plan.prefill)
         feeds[uid] = deque()
         texts[uid] = responses(drain(feeds[uid]), tokenizer, plan.options.stop, plan.eos)
         order.append(uid)
@@ -161,15 +170,15 @@ def drain(feed: deque[Token]) -> Iterator[Token]:
 
 def _store(plan: Prepared, done: Any, emitted: list[int]) -> None:
     if plan.prompt_cache is not None:
-        record_caches(plan.prompt_cache, done, plan.ids, emitted)
+        record_caches(plan.prompt_cache, done, plan.cache_key, emitted)
 
 
-def record_caches(cache: PromptCache, done: Any, ids: list[int], emitted: list[int],
+def record_caches(cache: PromptCache, done: Any, ids: list[Any], emitted: list[int],
                   drafter: Any = None) -> bool:
     """Make a prompt cache hold what its sequence's caches hold after leaving a batch (`done`, a
-    `Finished` with caches): prompt `ids` + the `emitted` tokens (`drafter`: the sequence's,
-    where it may be another than the prompt cache's). False, and the cache left as it was, when
-    there is nothing to record."""
+    `Finished` with caches): prompt `ids` (a prompt with images: its key) + the `emitted` tokens
+    (`drafter`: the sequence's, where it may be another than the prompt cache's). False, and the
+    cache left as it was, when there is nothing to record."""
     if done is None or done.target_cache is None:
         return False
     cache.target_cache = done.target_cache

@@ -27,6 +27,8 @@ from ..engine.drafters.lookup import NO_DRAFT, PROMPT_LOOKUP, PromptLookup
 from ..engine.drafters.mtp import MTP, MtpError, MtpHead, load_mtp
 from ..engine.pruning import prune_draft
 from ..engine.sampling import ParameterError
+from ..vision import VisionError, has_vision_tower, load_vision
+from ..vision.part import available as vision_available
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 _ALLOW = ["*.json", "model*.safetensors", "mtp*.safetensors", "*.txt", "*.jinja",
@@ -278,6 +280,7 @@ def load_models(
     draft_vocab: int | None = None,
     draft_vocab_counts: str | Path | None = None,
     distributed: bool = False,
+    vision: bool | None = None,
 ) -> tuple[nn.Module, nn.Module | PromptLookup | None, Any]:
     """Load (target, draft, tokenizer).
 
@@ -303,6 +306,12 @@ def load_models(
     it (each rank materialises only its shard); the draft loads whole on every rank. Generation
     then keeps the ranks in step by itself (see `tinydraft_mlx.engine.distributed`).
 
+    vision: a vision-language checkpoint's vision tower, loaded by mlx-vlm beside the target
+    (sharing its language model's weights) so that prompts may carry images
+    (`tinydraft_mlx.vision`): None loads it where the checkpoint has one and mlx-vlm is
+    installed, True requires it (ModelLoadError without), False never loads it. Not with
+    `distributed`.
+
     On the CPU backend both models' large projections take the skinny-matmul path (see
     `tinydraft_mlx.engine.skinny`; `skinny.disable(model)` turns it off).
     """
@@ -325,6 +334,8 @@ def load_models(
     group = join().group if distributed else None
     target_model, tokenizer = load_model(target, dtype, group)
     skinny.enable(target_model)
+    if vision or (vision is None and not distributed):
+        _load_vision(target_model, target, required=bool(vision), distributed=distributed)
     if str(draft).lower() == MTP:
         return target_model, load_head(target_model, target), tokenizer
     if draft is not None and str(draft).lower() not in (NO_DRAFT, PROMPT_LOOKUP):
@@ -338,6 +349,24 @@ def load_models(
     if draft_vocab is not None:
         draft_model = prune_draft(draft_model, tokenizer, draft_vocab, draft_vocab_counts)
     return target_model, draft_model, tokenizer
+
+
+def _load_vision(target: nn.Module, name: str | Path, required: bool, distributed: bool) -> None:
+    """Attach the checkpoint's vision tower to `target` (`load_models`' `vision`)."""
+    if required and distributed:
+        raise ParameterError("vision", "False or None with distributed (a tensor-parallel "
+                             "target has no vision tower here)", True)
+    path = resolve_model_path(name)
+    if not has_vision_tower(path):
+        if required:
+            raise ModelLoadError(f"{name} has no vision tower (its config has no vision_config)")
+        return
+    if not (required or vision_available()):
+        return
+    try:
+        load_vision(target, path)
+    except VisionError as err:
+        raise ModelLoadError(str(err)) from None
 
 
 def load_head(target: nn.Module, path: str | Path) -> MtpHead:

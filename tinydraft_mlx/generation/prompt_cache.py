@@ -13,7 +13,7 @@ import copy
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -138,11 +138,12 @@ class PromptCache:
         finally:
             self.in_use = False
 
-    def reuse(self, prompt: list[int]) -> int:
+    def reuse(self, prompt: list[Any], cap: Callable[[int], int] | None = None) -> int:
         """Make the caches hold a prefix of `prompt` (at most all but its last token): the common
         prefix with `tokens` where it can be kept, else nothing. Returns the target's reused
-        tokens."""
-        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        tokens. `prompt`: token ids, or a prompt with images' key (`VisionPrompt.keys`);
+        `cap(common)`: how much of a common prefix the prompt's prefill may start after."""
+        keep = self._common(prompt, cap)
         target_keep = min(keep, cache_length(self.target_cache))
         if _trimmable_to(self.target_cache, target_keep):
             rollback(self.target_cache, target_keep)
@@ -158,13 +159,16 @@ class PromptCache:
         self.tokens = list(prompt[:keep])
         return cache_length(self.target_cache)
 
-    def usable(self, prompt: list[int]) -> int:
-        """The target tokens `reuse(prompt)` would keep: the common prefix (at most all but the
-        prompt's last token) where the target's cache can be cut back to it, else 0 (a
+    def usable(self, prompt: list[Any], cap: Callable[[int], int] | None = None) -> int:
+        """The target tokens `reuse(prompt, cap)` would keep: the common prefix (at most all but
+        the prompt's last token) where the target's cache can be cut back to it, else 0 (a
         recurrent state after a longer sequence, a ring wrapped past its margin)."""
-        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1,
-                   cache_length(self.target_cache))
+        keep = min(self._common(prompt, cap), cache_length(self.target_cache))
         return keep if _trimmable_to(self.target_cache, keep) else 0
+
+    def _common(self, prompt: list[Any], cap: Callable[[int], int] | None) -> int:
+        keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        return keep if cap is None else cap(keep)
 
     def copy(self) -> PromptCache:
         """An independent copy (both caches' arrays are copied): reusing or extending it never

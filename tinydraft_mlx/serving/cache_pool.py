@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ..generation.prompt_cache import PromptCache, common_prefix
 
@@ -41,16 +42,17 @@ class PromptCachePool:
         """Bytes held by the caches in the pool."""
         return sum(pc.nbytes for pc in self._entries.values())
 
-    def take(self, prompt: Sequence[int]) -> PromptCache:
+    def take(self, prompt: Sequence[Any], cap: Callable[[int], int] | None = None) -> PromptCache:
         """The cache to generate `prompt` with: the pooled one whose reuse keeps the most of it
         (`PromptCache.usable`: a longer shared prefix that the target's cache cannot be cut back
         to, as a recurrent state's, keeps nothing), taken out when all its tokens match, else
         copied; a new one when none keeps a token. Reusing it (`PromptCache.reuse`) is the
-        caller's job, as with any prompt cache."""
+        caller's job, as with any prompt cache. `prompt` and `cap`: as `PromptCache.reuse`
+        takes them (a prompt with images: its key)."""
         best, best_score = None, (0, False)
         for key, pc in self._entries.items():
             whole = common_prefix(pc.tokens, prompt) == len(pc.tokens)
-            score = (pc.usable(prompt), whole)  # a tie: the conversation's own next turn
+            score = (pc.usable(prompt, cap), whole)  # a tie: the conversation's own next turn
             if score > best_score:
                 best, best_score = key, score
         if best is None:

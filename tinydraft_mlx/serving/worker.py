@@ -102,6 +102,7 @@ class Job:
     options: Options
     deliver: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    prefill: Any = None  # a prompt with images: its `VisionPrefill` (prompt: its ids)
 
 
 class QueueFull(Exception):
@@ -293,12 +294,12 @@ class Worker:
             self._turn_away(job)
             return
         plan = prepare(self.target, job.draft, self.tokenizer, job.prompt, job.options,
-                       model=self.draft)
-        pc = self.pool.take(plan.ids)
+                       model=self.draft, own=job.prefill)
+        pc = self.pool.take(plan.cache_key, plan.reusable)
         pc.check_free()
         pc.in_use = True
         try:
-            pc.reuse(plan.ids)
+            pc.reuse(plan.cache_key, plan.reusable)
             uid = decoder.insert(plan.ids, draft=plan.drafter, k=plan.options.k,
                                  max_tokens=plan.options.max_tokens,
                                  sampling=plan.sampling, eos_token_ids=plan.eos,
@@ -307,7 +308,7 @@ class Worker:
                                  draft_cache=pc.draft_cache if pc.drafts_for(plan.drafter)
                                  else None,
                                  logprobs=job.options.logprobs is not None, keep_caches=True,
-                                 tree=plan.options.tree)
+                                 tree=plan.options.tree, prefill=plan.prefill)
         except Exception:
             pc.in_use = False
             raise
@@ -352,7 +353,8 @@ class Worker:
         pc = live.pc
         try:
             done = decoder.remove(uid, keep=len(live.emitted)) if pool else None
-            pool = record_caches(pc, done, live.plan.ids, live.emitted, live.plan.drafter)
+            pool = record_caches(pc, done, live.plan.cache_key, live.emitted,
+                                 live.plan.drafter)
         except Exception as err:
             self.errors += 1
             log.error("taking a job out of the batch failed; its cache is dropped",

@@ -1,0 +1,164 @@
+"""The prefill of a prompt with images, by mlx-vlm, handed to the engine's cache.
+
+mlx-vlm's `get_input_embeddings` puts the vision tower's features at the image positions and
+gives the positions its language model runs them at; its language model then runs the prompt
+(but its last token, which the engine's first round feeds) into a cache of mlx-vlm's own, in
+chunks of `PREFILL_STEP`, as mlx-vlm's own generation does. The cache is then handed over: each
+attention layer's keys and values, each recurrent layer's window and state, the engine's cache
+holding afterwards exactly what mlx-vlm's held. A cached prefix (a prompt cache's, never with an
+image in it: `VisionPrompt.reusable`) is handed to mlx-vlm's cache first.
+
+Positions. Models with multimodal RoPE (Qwen2-VL and after, Qwen3.5) give an image's positions
+its height and width, not one position per token, so text after an image runs at position
+index + delta (`rope_deltas`, negative), where mlx-lm's text model runs it at its index. RoPE
+scores depend only on the distance between a query's and a key's positions, so every prompt key
+is rotated by -delta once here (the layer's own RoPE module, applied at offset -delta to each
+key as a sequence of one): the target then decodes at its own positions and every distance is
+mlx-vlm's. Text-only prompts never come here (delta 0).
+
+The states a head drafter reads (the target's final states, a layer's output) come from the same
+forward (mlx-vlm's `return_hidden` / `capture_layer_ids`) into the engine's open capture, so an
+MTP layer or an EAGLE-3 head reads the image positions as the target saw them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..engine.cache import Cache, cache_length
+from ..engine.cache.recurrent import RecurrentCache
+from ..engine.forward import PREFILL_STEP
+from ..engine.hidden import FINAL, body, record, watched
+from .part import Vision, VisionError
+from .prompt import VisionPrompt
+
+Progress = Any  # f(processed, total) or None
+
+
+class VisionPrefill:
+    """The prefill of one `VisionPrompt` (module docstring): `covers(start)` says whether the
+    prompt from `start` on needs it (an image lies there), `prefill(target, cache, end)` fills
+    the cache from its length to position `end`."""
+
+    def __init__(self, vision: Vision, prompt: VisionPrompt) -> None:
+        self.vision, self.prompt = vision, prompt
+
+    def covers(self, start: int) -> bool:
+        return self.prompt.images_from(start)
+
+    def prefill(self, target: nn.Module, cache: Cache, end: int,
+                progress: Progress = None) -> None:
+        start = cache_length(cache)
+        if self.prompt.positions and start > self.prompt.positions[0]:
+            raise VisionError("a prefill with images must start before the first image "
+                              f"(the cache holds {start} tokens, the image starts at "
+                              f"{self.prompt.positions[0]})")
+        model, language = self.vision.model, self.vision.model.language_model
+        ids = mx.array([self.prompt.ids], dtype=mx.int32)
+        inputs = dict(self.prompt.inputs)
+        features = model.get_input_embeddings(ids, inputs.pop("pixel_values", None), **inputs)
+        embeds = features.inputs_embeds
+        kwargs = {k: v for k, v in features.to_dict().items()
+                  if k != "inputs_embeds" and v is not None}
+        deltas = kwargs.get("rope_deltas")
+        shift = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
+        seen = watched(target)  # mlx-vlm returns layer outputs by layer, then the final states
+        after = sorted(t[1] for t in seen if t != FINAL)
+        tags = [("after", j) for j in after] + ([FINAL] if FINAL in seen else [])
+        if tags:
+            kwargs.update(return_hidden=FINAL in tags, capture_layer_ids=after or None)
+        theirs = _their_cache(language)
+        _reset(language)
+        try:
+            if start:
+                _hand(cache, theirs, start)
+            for a in range(start, end, PREFILL_STEP):
+                b = min(end, a + PREFILL_STEP)
+                out = language(ids[:, a:b], inputs_embeds=embeds[:, a:b], cache=theirs,
+                               **kwargs)
+                states = list(getattr(out, "hidden_states", None) or [])[: len(tags)]
+                if len(states) == len(tags):
+                    record(tags, states)
+                mx.eval([c.state for c in theirs] + states)
+                if progress is not None:
+                    progress(b - start)
+        finally:
+            _reset(language)
+        _take(theirs, cache, target, end, shift)
+
+
+def _their_cache(language: nn.Module) -> list:
+    make = getattr(language, "make_cache", None)
+    if callable(make):
+        return make()
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(language)
+
+
+def _reset(language: nn.Module) -> None:
+    """mlx-vlm's language models keep the last prompt's positions on the module."""
+    for name in ("_position_ids", "_rope_deltas"):
+        if hasattr(language, name):
+            setattr(language, name, None)
+
+
+def _kv(layer: Any, where: str) -> tuple[mx.array, mx.array]:
+    """A KV layer's keys and values in position order; VisionError where it dropped some."""
+    keys, values = layer.state[:2]
+    n = layer.offset
+    if keys.shape[2] < n:
+        raise VisionError(f"{where} holds {keys.shape[2]} of the prompt's {n} positions (a "
+                          "sliding window shorter than the prompt): prompts with images must "
+                          "fit the window")
+    return keys[..., :n, :], values[..., :n, :]
+
+
+def _hand(ours: Cache, theirs: list, length: int) -> None:
+    """Our cached prefix (no image in it) into mlx-vlm's fresh cache."""
+    for i, (mine, other) in enumerate(zip(ours, theirs)):
+        if isinstance(mine, RecurrentCache):
+            other.cache = list(mine.cache)
+        else:
+            keys, values = _kv(mine, f"layer {i}'s cache")
+            other.update_and_fetch(keys[..., :length, :], values[..., :length, :])
+
+
+def _take(theirs: list, ours: Cache, target: nn.Module, end: int, shift: int) -> None:
+    """mlx-vlm's cache, holding the prompt to `end`, into ours; keys rotated by -shift."""
+    layers = list(getattr(body(target), "layers", []))
+    moved = []
+    for i, (other, mine) in enumerate(zip(theirs, ours)):
+        if isinstance(mine, RecurrentCache):
+            moved.append((mine, list(other.cache)))
+            continue
+        keys, values = _kv(other, f"mlx-vlm's layer {i}")
+        if shift:
+            keys = _rotate(keys, _rope(layers[i] if i < len(layers) else None, i, shift),
+                           -shift)
+        moved.append((mine, (keys, values)))
+    mx.eval([m[1] for m in moved])
+    for mine, held in moved:  # nothing of ours changes before every layer is ready
+        if isinstance(mine, RecurrentCache):
+            mine.cache, mine.offset, mine.tape, mine.cut = held, end, [], None
+        else:
+            mine.trim(mine.offset)
+            mine.update_and_fetch(*held)
+
+
+def _rope(layer: nn.Module | None, index: int, shift: int) -> nn.RoPE:
+    for name in ("self_attn", "attention", "attn"):
+        rope = getattr(getattr(layer, name, None), "rope", None)
+        if isinstance(rope, nn.RoPE):
+            return rope
+    raise VisionError(f"this prompt's images move the target's positions by {shift}, and its "
+                      f"layer {index} has no plain RoPE to move its keys with")
+
+
+def _rotate(keys: mx.array, rope: nn.RoPE, offset: int) -> mx.array:
+    """Every key rotated by the same `offset` positions (each as a sequence of one)."""
+    b, h, n, d = keys.shape
+    return rope(keys.reshape(b, h * n, 1, d), offset=offset).reshape(b, h, n, d)
