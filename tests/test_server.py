@@ -442,7 +442,14 @@ BAD = [
     (CHAT, {"messages": [{"role": "user"}], "max_completion_tokens": 0},
      "max_completion_tokens", "(got 0)"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content", "image_url"),
+     "messages[0].content[0].image_url", "needs image_url.url"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "https://example.com/a.png"}}]}]}, "messages[0].content[0].image_url.url",
+     "fetches no URL"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,aGk="}}]}]}, "messages", "this model reads no images"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+     "messages[0].content", "input_audio"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function",
      "Field required"),

@@ -342,6 +342,12 @@ def test_stop_sequences_and_prefill(served, models):
     ({"max_tokens": 4, "messages": CODE, "model": "claude-3"}, 404, "not_found_error",
      "not served here"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, 400, "invalid_request_error", "fetches no URL"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "aGk="}}]}]}, 400, "invalid_request_error",
+     "this model reads no images"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [
         {"type": "image", "source": {}}]}]}, 400, "invalid_request_error", "'image'"),
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400,
      "invalid_request_error", "role"),

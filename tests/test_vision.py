@@ -359,3 +359,95 @@ except ValueError as err:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 and all("pip install 'tinydraft-mlx[vision]'" in x for x in lines)
+
+
+def test_a_head_reads_the_image_positions_as_the_target_saw_them(seen, references):
+    """The states an MTP layer reads, captured from mlx-vlm's prefill of two images == the
+    oracle's final hidden states at those positions."""
+    import torch
+
+    from tinydraft_mlx.engine.cache import make_cache
+    from tinydraft_mlx.engine.hidden import FINAL, capture, watched
+
+    target = seen["target"]
+    assert FINAL in watched(target)  # the MTP head watches the target's final states
+    own = vision_prefill(target, TWO, [seen["images"][0], seen["images"][1]])
+    n = len(own.prompt.ids) - 1
+    with capture() as got:
+        own.prefill(target, make_cache(target, None, 4), n)
+    states = mx.concatenate([a for tag, a in got if tag == FINAL], axis=1)
+    ids, _, oracle = references[1]
+    tokens = torch.tensor([ids[:n]])
+    with torch.no_grad():
+        out = oracle.model(input_ids=tokens, mm_token_type_ids=(
+            tokens == oracle.image_token_id).long(), output_hidden_states=True, **oracle.inputs)
+    want = out.hidden_states[-1][0].numpy()
+    assert states.shape == (1, n, want.shape[-1])
+    assert np.abs(np.array(states[0]) - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+
+
+def test_the_server_reads_images_in_both_apis(seen, references):
+    """OpenAI's image_url parts (a data URL) and Anthropic's base64 image blocks: the reply is
+    the library's greedy output on the same messages and image."""
+    import base64
+    import io
+
+    import httpx
+
+    from tests.test_server import Served
+    from tinydraft_mlx.server import Defaults, create_app
+    from tinydraft_mlx.serving.worker import Worker
+
+    buffer = io.BytesIO()
+    seen["images"][0].save(buffer, format="PNG")  # lossless: the same pixels come back
+    data = base64.b64encode(buffer.getvalue()).decode()
+    worker = Worker(seen["target"], seen["draft"], seen["tok"], max_batch=4)
+    served = Served(create_app(worker, "vlm", Defaults(k=2, max_tokens=NEW)))
+    text = "def parse(self, x):"
+    want = "".join(r.text for r in stream_generate(seen["target"], None, seen["tok"], ONE,
+                                                   images=[seen["images"][0]],
+                                                   max_tokens=NEW))
+    try:
+        chat = served.client().chat.completions.create(model="vlm", max_tokens=NEW, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                {"type": "text", "text": text}]}], temperature=0)
+        assert chat.choices[0].message.content == want
+        assert chat.usage.prompt_tokens == len(references[0][0])
+        r = httpx.post(f"{served.url}/v1/messages", timeout=60, json={
+            "model": "vlm", "max_tokens": NEW, "temperature": 0, "messages": [
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": data}},
+                    {"type": "text", "text": text}]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["text"] == want
+        r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
+            "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}]}]})
+        assert r.status_code == 400 and "images[1] is not an image" in r.json()["error"][
+            "message"], r.text
+    finally:
+        served.close()
+
+
+def test_the_command_line_takes_images(seen, tmp_path, capsys, checkpoints):
+    """`--image` (repeatable): the prompt becomes one user message, images first; the text is
+    the library's greedy output; a text target refuses it with one line and status 2."""
+    from tinydraft_mlx.programs.cli import main
+
+    path = tmp_path / "picture.png"
+    seen["images"][0].save(path)
+    text = "def parse(self, x):"
+    message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    want = "".join(r.text for r in stream_generate(seen["target"], None, seen["tok"], message,
+                                                   images=[seen["images"][0]], max_tokens=NEW))
+    code = main(["--target", str(seen["directory"]), "--draft", "prompt-lookup", "--image",
+                 str(path), "--prompt", text, "--max-tokens", str(NEW), "--dtype", "float32"])
+    assert code == 0 and capsys.readouterr().out.rstrip("\n") == want
+    with pytest.raises(SystemExit) as exit_:
+        main(["--target", str(checkpoints["target"]), "--draft", "none", "--image", str(path),
+              "--prompt", text, "--max-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "vision-language target" in err and "\n" not in err

@@ -144,8 +144,12 @@ def chat_text(tokenizer: Any, messages: Messages, chat_template: str | None = No
     """`chat_template` (else the tokenizer's) applied to `messages`, with the generation
     prompt; `tools` (function specs, OpenAI's shape) are rendered as the template does."""
     for m in messages:
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ParameterError("messages", 'dicts with string "role" and "content"', m)
+        content = m.get("content")
+        parts = isinstance(content, list) and all(
+            isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
+        if not isinstance(m.get("role"), str) or not (isinstance(content, str) or parts):
+            raise ParameterError("messages", 'dicts with string "role" and "content" (a string, '
+                                 'or a list of {"type": ...} parts)', m)
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat messages need a chat template; this tokenizer has none (pass "
                          "chat_template=, or --chat-template on the command line)")

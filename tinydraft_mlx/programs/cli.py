@@ -34,6 +34,7 @@ from ..generation.loading import (
 from ..generation.options import MAX_DRAFT_TOKENS, Options, flag_message, make_options
 from ..generation.prompt_cache import PromptCache, PromptCacheError
 from ..generation.text import chat_ids, read_template
+from ..vision import VisionError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +86,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a Jinja chat template (text, or a file) to apply instead (implies "
                         "--chat)")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image for a vision-language target (repeatable): the prompt becomes "
+                        "one user message, the images first, through the chat template "
+                        "(needs mlx-vlm: pip install 'tinydraft-mlx[vision]')")
     p.add_argument("--stop", action="append", default=None,
                    help="stop at this string (not printed); repeat for several")
     p.add_argument("--prompt-cache-file", default=None, metavar="PATH",
@@ -137,9 +142,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Op
         _fail(parser, flag_message(err))
 
 
-def _prompt(tokenizer, text: str, chat: bool, template: str | None = None) -> str | list[int]:
+def _prompt(tokenizer, text: str, chat: bool, template: str | None = None,
+            images: int = 0) -> str | list[Any]:
     """The prompt as typed, or (--chat, --chat-template) as one user message through the chat
-    template (--chat-template's, else the tokenizer's)."""
+    template (--chat-template's, else the tokenizer's); with `images`, that message with one
+    image part per image before the text (the engine renders it)."""
+    if images:
+        return [{"role": "user", "content": [{"type": "image"}] * images
+                 + [{"type": "text", "text": text}]}]
     if not chat and template is None:
         return text
     if template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -195,15 +205,18 @@ def main(argv: list[str] | None = None) -> int:
                                                draft_vocab_counts=args.draft_vocab_counts,
                                                distributed=args.distributed)
         prompt_cache = _load_prompt_cache(args.prompt_cache_file, target, draft, args.max_kv_size)
-        prompt = _prompt(tokenizer, text, args.chat, args.chat_template)
+        prompt = _prompt(tokenizer, text, args.chat, args.chat_template, len(args.image or []))
         if prompt_cache is not None:  # the cache's bound (checked equal above)
             options = replace(options, max_kv_size=None)
+        if args.image and args.chat_template is not None:
+            options = replace(options, chat_template=read_template(args.chat_template))
         steps = stream_generate(target, draft, tokenizer, prompt, options=options,
-                                prompt_cache=prompt_cache,
+                                prompt_cache=prompt_cache, images=args.image,
                                 prompt_progress_callback=_ProgressBar())
     except ParameterError as err:
         _fail(parser, flag_message(err))
-    except (ModelLoadError, PromptCacheError, VocabError, GroupError, UsageError) as err:
+    except (ModelLoadError, PromptCacheError, VocabError, GroupError, UsageError,
+            VisionError) as err:
         _fail(parser, str(err))
     ranks = ranks_of(target)
     quiet = ranks is not None and ranks.rank != 0  # only rank 0 prints

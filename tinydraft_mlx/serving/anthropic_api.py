@@ -21,6 +21,7 @@ from fastapi.sse import format_sse_event
 from . import anthropic_schema as an
 from . import openai_schema as oa
 from .anthropic_schema import CountTokensRequest, MessagesRequest
+from .images import anthropic_source
 from .reply import Reply
 from .service import (
     APIError,
@@ -81,16 +82,16 @@ MAX_TEMPERATURE = 1.0
 def message_spec(req: CountTokensRequest) -> Spec:
     """A Messages request as a Spec (400 for what this server cannot honour)."""
     check_unicode(req.model_dump(exclude_none=True))
-    messages = _system(req.system)
+    messages, images = _system(req.system), []
     for i, m in enumerate(req.messages):
-        messages.extend(_message(i, m))
+        messages.extend(_message(i, m, images))
     prefill = ""
     if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
         prefill = messages.pop()["content"]  # the reply continues it
     tools = [_tool(i, t) for i, t in enumerate(req.tools or [])] or None
     fields: dict[str, Any] = dict(model=req.model, messages=messages, tools=tools,
                                   tool_choice=_tool_choice(req.tool_choice), prefill=prefill,
-                                  fields=FIELDS)
+                                  fields=FIELDS, images=images)
     if isinstance(req, MessagesRequest):
         if req.thinking and req.thinking.get("type") not in (None, "disabled"):
             raise bad("thinking", "extended thinking is not supported")
@@ -121,20 +122,25 @@ def _texts(blocks: list[an.Block], where: str) -> str:
     return "".join(b.text or "" for b in blocks)
 
 
-def _message(i: int, m: an.Message) -> list[dict[str, Any]]:
+def _message(i: int, m: an.Message, images: list[bytes]) -> list[dict[str, Any]]:
     """One Anthropic message as the template's messages: tool results first (tool messages),
-    then the text (and an assistant's tool calls)."""
+    then the text (and an assistant's tool calls); a user message's image blocks appended to
+    `images`, each an {"type": "image"} part where it stood."""
     where = f"messages[{i}]"
     if m.role not in ("user", "assistant"):
         raise bad(f"{where}.role", f'role must be "user" or "assistant" (got {m.role!r})')
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     out: list[dict[str, Any]] = []
-    text, calls = [], []
+    text: list[Any] = []
+    calls = []
     for j, block in enumerate(m.content):
         at = f"{where}.content[{j}]"
         if block.type == "text":
             text.append(block.text or "")
+        elif block.type == "image" and m.role == "user":
+            images.append(anthropic_source(block.source, f"{at}.source"))
+            text.append({"type": "image"})
         elif block.type == "tool_use" and m.role == "assistant":
             if not block.name:
                 raise bad(f"{at}.name", "a tool_use block needs a name")
@@ -153,9 +159,12 @@ def _message(i: int, m: an.Message) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
         else:
             raise bad(f"{at}.type", f"a {m.role} message cannot have a {block.type!r} block "
-                      "here (text, and tool_use in assistant / tool_result in user messages)")
+                      "here (text, and tool_use in assistant / tool_result and image in user "
+                      "messages)")
     if text or calls or not out:
-        message: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+        content: Any = "".join(text) if all(isinstance(t, str) for t in text) else [
+            t if isinstance(t, dict) else {"type": "text", "text": t} for t in text]
+        message: dict[str, Any] = {"role": m.role, "content": content}
         if calls:
             message["tool_calls"] = calls
         out.append(message)

@@ -33,6 +33,7 @@ class Block(BaseModel):
     id: str | None = None
     name: str | None = None
     input: Any = None  # a tool_use block's: an object (checked where read, naming the field)
+    source: Any = None  # an image block's: {"type": "base64", "media_type", "data"}
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool | None = None

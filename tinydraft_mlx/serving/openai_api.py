@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
 from . import openai_schema as oa
+from .images import data_url
 from .openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from .reply import Reply
 from .service import (
@@ -119,8 +120,11 @@ def chat_spec(req: ChatCompletionRequest) -> Spec:
                 raise bad(f"tools[{i}].type", f'only "function" tools are supported (got '
                           f"{tool.type!r})")
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    return Spec(messages=_messages(req), tools=tools, tool_choice=_tool_choice(req.tool_choice),
-                max_tokens=getattr(req, name), logprobs=logprobs,
+    images: list[bytes] = []
+    messages = _messages(req, images)
+    return Spec(messages=messages, images=images, tools=tools,
+                tool_choice=_tool_choice(req.tool_choice), max_tokens=getattr(req, name),
+                logprobs=logprobs,
                 fields={"max_tokens": name, "logprobs": "top_logprobs"}, **common)
 
 
@@ -135,7 +139,9 @@ def _tool_choice(choice: str | oa.NamedToolChoice | None) -> str | dict[str, str
     return {"name": choice.function.name}
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _messages(req: ChatCompletionRequest, images: list[bytes]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; each `image_url` part's image appended to
+    `images` (its place: an {"type": "image"} part)."""
     if not req.messages:
         raise bad("messages", "messages is required: a non-empty list of "
                   '{"role", "content"} objects')
@@ -143,11 +149,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            kinds = {part.type for part in content}
-            if kinds - {"text"}:
-                raise bad(f"messages[{i}].content", "only text content parts are "
-                          f"supported (got {sorted(kinds - {'text'})})")
-            content = "".join(part.text or "" for part in content)
+            content = _parts(content, f"messages[{i}].content", images)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.tool_calls:
             if m.role != "assistant":
@@ -164,6 +166,27 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if m.name is not None:
             message["name"] = m.name
         out.append(message)
+    return out
+
+
+def _parts(parts: list[oa.ContentPart], where: str,
+           images: list[bytes]) -> str | list[dict[str, Any]]:
+    """A message's content parts: their text, or with images the parts in order."""
+    kinds = {part.type for part in parts}
+    if kinds - {"text", "image_url"}:
+        raise bad(where, "only text and image_url content parts are supported (got "
+                  f"{sorted(kinds - {'text', 'image_url'})})")
+    if "image_url" not in kinds:
+        return "".join(part.text or "" for part in parts)
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if part.type == "text":
+            out.append({"type": "text", "text": part.text or ""})
+            continue
+        if part.image_url is None:
+            raise bad(f"{where}[{j}].image_url", "an image_url part needs image_url.url")
+        images.append(data_url(part.image_url.url, f"{where}[{j}].image_url.url"))
+        out.append({"type": "image"})
     return out
 
 

@@ -72,10 +72,17 @@ class CompletionRequest(_Request):
     best_of: int | None = None
 
 
+class ImageURL(BaseModel):
+    model_config = _STRICT
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(BaseModel):
     model_config = _STRICT
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(BaseModel):

@@ -32,6 +32,8 @@ from ..engine.sampling import ParameterError
 from ..generation.api import check_tree
 from ..generation.options import Options, check_k, make_options
 from ..generation.text import chat_text, prompt_ids
+from .errors import APIError, bad
+from .images import check_reads_images, vision_prompt_of
 from .metrics import Metrics
 from .tokenizers import PerThread
 from .tool_calls import ToolFormat, function_spec, tool_format
@@ -51,24 +53,6 @@ INTERNAL = "the server failed to generate this reply (the error is in its log)"
 LONG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized one at a time
 
 log = logging.getLogger("tinydraft_mlx.server")
-
-
-class APIError(Exception):
-    """An error answered with the API's error body: HTTP status, message, the request field it
-    is about, a code and a kind (OpenAI's names; the Anthropic layer maps them)."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None, counted: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (
-            status, message, param, code, kind)
-        self.headers = headers
-        self.counted = counted  # the request's outcome is in the metrics already
-
-
-def bad(param: str | None, message: str, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 # request field that a library parameter name comes from
@@ -130,6 +114,7 @@ class Spec:
     include_usage: bool = False
     prefill: str = ""
     fields: dict[str, str] = field(default_factory=dict)
+    images: list[bytes] = field(default_factory=list)  # each {"type": "image"} part's, in order
 
     def name(self, ours: str) -> str:
         return self.fields.get(ours, ours)
@@ -137,7 +122,8 @@ class Spec:
     def chars(self) -> int:
         """Characters of text the request asks to tokenize (token-id prompts: none)."""
         if self.messages is not None:
-            return sum(len(m.get("content") or "") for m in self.messages)
+            return sum(len(c) if isinstance(c := m.get("content") or "", str) else
+                       sum(len(p.get("text") or "") for p in c) for m in self.messages)
         return len(self.prompt) if isinstance(self.prompt, str) else 0
 
 
@@ -156,6 +142,7 @@ class Plan:
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_format: ToolFormat | None = None
     forced: str = ""
+    vision: Any = None  # a prompt with images: its `VisionPrefill` (prompt: its ids)
 
 
 class Service:
@@ -233,11 +220,11 @@ class Service:
             raise parameter_error(err, spec.fields) from None
         chat = spec.messages is not None
         tools, fmt, forced = self.tools_for(spec) if chat else ([], None, "")
-        ids = (self.chat_prompt(spec, tools, spec.prefill + forced) if chat
-               else self._text_prompt(spec))
+        ids, own = (self.chat_inputs(spec, tools, spec.prefill + forced) if chat
+                    else (self._text_prompt(spec), None))
         options = replace(options, max_tokens=self._max_tokens(len(ids), spec))
         return Plan(ids, draft, options, spec.stream, spec.include_usage, chat, tools, fmt,
-                    forced)
+                    forced, own)
 
     def _tree(self, spec: Spec, draft: str, options: Options) -> Options:
         """The request's tree (ParameterError where it cannot verify one), else the server's
@@ -282,7 +269,14 @@ class Service:
 
     def chat_prompt(self, spec: Spec, tools: list[dict[str, Any]], after: str = "") -> list[int]:
         """The messages through the chat template (with the tools), then `after`, encoded."""
+        return self.chat_inputs(spec, tools, after)[0]
+
+    def chat_inputs(self, spec: Spec, tools: list[dict[str, Any]],
+                    after: str = "") -> tuple[list[int], Any]:
+        """(`chat_prompt`'s ids, and with images the prompt's `VisionPrefill`, else None)."""
         param = spec.name("messages")
+        if spec.images:
+            check_reads_images(self.worker.target, param)
         if not spec.messages:
             raise bad(param, f"{param} is required: a non-empty list of messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -301,10 +295,13 @@ class Service:
         except TemplateError as err:  # the template refused the messages (e.g. role order)
             raise bad(param, f"the chat template refused the messages: {err}") from None
         self._check_length(text, param)
+        if spec.images:
+            own = vision_prompt_of(self.worker.target, text, spec.images, param)
+            return own.prompt.ids, own
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise bad(param, f"the {param} make an empty prompt")
-        return ids
+        return ids, None
 
     def _text_prompt(self, spec: Spec) -> list[int]:
         prompt = spec.prompt
@@ -398,7 +395,8 @@ class Service:
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
 
-        job = Job(plan.prompt, plan.draft, plan.options, deliver)  # the engine resolves it
+        job = Job(plan.prompt, plan.draft, plan.options, deliver,  # the engine resolves it
+                  prefill=plan.vision)
         try:
             self.worker.submit(job)
         except QueueFull as err:
