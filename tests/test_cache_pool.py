@@ -17,9 +17,10 @@ class Fake:
         self.tokens, self.nbytes, self.name, self.copied = list(tokens), nbytes, name, False
         self.cut = cut  # False: as a recurrent target's, usable only up to its end
 
-    def usable(self, prompt):
+    def usable(self, prompt, cap=None):
         """What a real PromptCache's `usable` answers: the target holds tokens[:-1]."""
         keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1, len(self.tokens) - 1)
+        keep = keep if cap is None else cap(keep)
         return keep if self.cut or keep == len(self.tokens) - 1 else 0
 
     def copy(self):

@@ -66,11 +66,11 @@ def test_an_error_outside_the_generation_fails_that_request_only(models, monkeyp
         original = worker.pool.take
         calls = {"n": 0}
 
-        def take(prompt):
+        def take(prompt, cap=None):
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("pool exploded")
-            return original(prompt)
+            return original(prompt, cap)
 
         monkeypatch.setattr(worker.pool, "take", take)
         r = httpx.post(s.url + COMPLETIONS, json={"prompt": "def main():\n"}, timeout=30)

@@ -7,7 +7,8 @@ vision tower, multimodal RoPE), against two independent references: transformers
 Qwen3.5 (the oracle, float32, with the processor's pixel inputs) and mlx-vlm's own generation
 (its own copy of the weights):
 - greedy: plain decoding and every drafter that shares the tokenizer (a draft model, prompt
-  lookup, the checkpoint's MTP layer) == mlx-vlm's greedy output == the oracle's, for one image
+  lookup, the checkpoint's MTP layer, a DFlash block drafter, its candidate trees) == mlx-vlm's
+  greedy output == the oracle's, for one image
   and for two images of different sizes between text (text after an image runs at positions
   moved by the image's `rope_deltas`); each token's log-probabilities == the oracle's;
 - the control: with the keys left where mlx-vlm wrote them (no move), the log-probabilities
@@ -18,6 +19,9 @@ Qwen3.5 (the oracle, float32, with the processor's pixel inputs) and mlx-vlm's o
   the oracle's exact joint (chi-square, the suite's bound);
 - batched with text-only rows: each row == alone; prompt caches keyed by the image (another
   image reuses nothing of it, a conversation's next turn reuses the image);
+- the states a head reads, captured from mlx-vlm's prefill == the oracle's hidden states;
+- the server (OpenAI image_url data URLs, Anthropic base64 image blocks) and the CLI (--image)
+  reply as the library does;
 - refusals in one line; without mlx-vlm the package loads and generates text, images refused.
 """
 
@@ -31,7 +35,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.fixtures import FIRST_ATTENTION, build_hybrid_pair, damp_layers, write_mtp
+from tests.fixtures import (
+    FIRST_ATTENTION,
+    build_hybrid_pair,
+    damp_layers,
+    write_dflash,
+    write_mtp,
+)
 from tests.hub_layouts import build_vision
 from tests.reference import check_first_two_in_batches, two_step_joint
 from tinydraft_mlx import (
@@ -44,7 +54,7 @@ from tinydraft_mlx import (
     stream_generate,
 )
 from tinydraft_mlx.generation.api import vision_prefill
-from tinydraft_mlx.generation.loading import ModelLoadError, load_draft
+from tinydraft_mlx.generation.loading import ModelLoadError, load_draft, load_eagle
 from tinydraft_mlx.vision import VisionError, vision_of
 
 pytestmark = pytest.mark.usefixtures("cpu_fp32")
@@ -81,11 +91,13 @@ def seen(tmp_path_factory):
     directory, draft_dir = build_vision(root, target_dir, draft_dir, mtp)
     target, head, tok = load_models(str(directory), "mtp", dtype="float32")
     draft = load_draft(str(draft_dir), tok, dtype="float32")
+    block = load_eagle(target, write_dflash(directory, root / "dflash", steps=60))
     images = [_picture(0, 48, 64), _picture(1, 64, 32), _picture(2, 48, 64)]
     model = vlm.load_model(directory)
     processor = vlm.load_processor(directory)
     oracle = VisionOracle(directory, vision_of(target).image_token_id)
-    return dict(target=target, head=head, draft=draft, tok=tok, images=images, vlm=model,
+    return dict(target=target, head=head, draft=draft, block=block, tok=tok, images=images,
+                vlm=model,
                 processor=processor, oracle=oracle, directory=directory)
 
 
@@ -141,17 +153,18 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _drafter(seen, name: str):
     return {"plain": None, "model": seen["draft"], "lookup": "prompt-lookup",
-            "mtp": seen["head"]}[name]
+            "mtp": seen["head"], "dflash": seen["block"], "dflash-tree": seen["block"]}[name]
 
 
-@pytest.mark.parametrize("drafter", ["plain", "model", "lookup", "mtp"])
+@pytest.mark.parametrize("drafter", ["plain", "model", "lookup", "mtp", "dflash", "dflash-tree"])
 @pytest.mark.parametrize("case", [0, 1])
 def test_greedy_equals_mlx_vlm_and_the_oracle(seen, references, drafter, case):
     messages, which = CASES[case]
     images = [seen["images"][j] for j in which]
     ids, greedy, oracle = references[case]
+    tree = 8 if drafter == "dflash-tree" else None
     out = list(stream_generate(seen["target"], _drafter(seen, drafter), seen["tok"], messages,
-                               images=images, max_tokens=NEW, k=3))
+                               images=images, max_tokens=NEW, k=3, tree=tree))
     assert [r.token for r in out] == greedy
     assert out[-1].stats.prompt_tokens == len(ids)
     if drafter in ("model", "mtp"):
