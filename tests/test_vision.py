@@ -464,3 +464,22 @@ def test_the_command_line_takes_images(seen, tmp_path, capsys, checkpoints):
               "--prompt", text, "--max-tokens", "2"])
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and "vision-language target" in err and "\n" not in err
+
+
+def test_a_vision_config_without_its_tower_loads_as_text(seen, tmp_path):
+    """A checkpoint whose config names a vision tower its files lack (a text-only conversion):
+    it loads as a text model with one warning and refuses images; vision=True fails to load."""
+    from tests.hub_layouts import nest_as_hub
+
+    flat = seen["directory"].parents[1] / "qwen3_5" / "target"
+    hub = nest_as_hub(flat, tmp_path / "hub", "qwen3_5")
+    with pytest.warns(UserWarning, match="loads as a text model: mlx-vlm could not load") as w:
+        target, _, tok = load_models(str(hub), "none", dtype="float32")
+    assert len(w) == 1 and "\n" not in str(w[0].message)
+    assert vision_of(target) is None
+    out, _ = generate(target, None, tok, "def main():", max_tokens=4)
+    assert len(out) == 4
+    with pytest.raises(ValueError, match="vision-language target only"):
+        generate(target, None, tok, ONE, images=[seen["images"][0]], max_tokens=2)
+    with pytest.raises(ModelLoadError, match="mlx-vlm could not load its vision tower"):
+        load_models(str(hub), "none", vision=True)

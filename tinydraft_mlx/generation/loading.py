@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +310,8 @@ def load_models(
     vision: a vision-language checkpoint's vision tower, loaded by mlx-vlm beside the target
     (sharing its language model's weights) so that prompts may carry images
     (`tinydraft_mlx.vision`): None loads it where the checkpoint has one and mlx-vlm is
-    installed, True requires it (ModelLoadError without), False never loads it. Not with
+    installed (a warning, and text only, where mlx-vlm cannot load it: a conversion that dropped
+    its tensors), True requires it (ModelLoadError without), False never loads it. Not with
     `distributed`.
 
     On the CPU backend both models' large projections take the skinny-matmul path (see
@@ -367,6 +369,13 @@ def _load_vision(target: nn.Module, name: str | Path, required: bool, distribute
         load_vision(target, path)
     except VisionError as err:
         raise ModelLoadError(str(err)) from None
+    except Exception as err:  # mlx-vlm's loader: a conversion that dropped the vision tensors
+        why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        if required:
+            raise ModelLoadError(f"{name}: mlx-vlm could not load its vision tower ({why})") \
+                from None
+        warnings.warn(f"{name} loads as a text model: mlx-vlm could not load its vision tower "
+                      f"({why}); prompts with images are refused", stacklevel=3)
 
 
 def load_head(target: nn.Module, path: str | Path) -> MtpHead:
