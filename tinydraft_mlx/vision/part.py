@@ -42,8 +42,11 @@ class Vision:
 
     @property
     def image_token(self) -> str:
-        """The text that stands for one image in a prompt, before the processor expands it."""
-        return str(getattr(self.processor, "image_token", "<image>"))
+        """The text that stands for one image in a prompt, before the processor expands it
+        (Gemma 3's processor expands its `boi_token`, Qwen's its `image_token`)."""
+        mark = getattr(self.processor, "boi_token", None) or getattr(
+            self.processor, "image_token", None)
+        return str(mark or "<image>")
 
     @property
     def image_token_id(self) -> int:

@@ -147,6 +147,7 @@ def vision_prompt(vision: Vision, prompt: Any, images: list[ImageLike],
         for n, at in enumerate(run):
             keys[at] = f"image:{name}:{n}"
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    extra["mask"] = inputs.get("attention_mask", mx.ones((1, len(ids)), dtype=mx.int32))
     return VisionPrompt(ids, keys, extra, positions)
 
 
