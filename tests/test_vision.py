@@ -483,3 +483,24 @@ def test_a_vision_config_without_its_tower_loads_as_text(seen, tmp_path):
         generate(target, None, tok, ONE, images=[seen["images"][0]], max_tokens=2)
     with pytest.raises(ModelLoadError, match="mlx-vlm could not load its vision tower"):
         load_models(str(hub), "none", vision=True)
+
+
+def test_a_cached_text_prefix_is_handed_to_mlx_vlm(seen):
+    """A prompt cache holding a text prefix, then that text and an image: the prefix is handed
+    to mlx-vlm's cache and only the rest is prefilled; the output is the uncached prompt's."""
+    tok, target = seen["tok"], seen["target"]
+    pc = PromptCache(target, seen["draft"])
+    text = "def parse(self, x):\n    "
+    prompt = text + "<|vision_start|><|image_pad|><|vision_end|> return"
+    generate(target, seen["draft"], tok, text, max_tokens=1, prompt_cache=pc)
+
+    def run(cache):
+        out = list(stream_generate(target, seen["draft"], tok, prompt,
+                                   images=[seen["images"][1]], max_tokens=8, k=2,
+                                   prompt_cache=cache))
+        return [r.token for r in out], np.array(out[0].logprobs), out[-1].stats
+
+    cached, cached_lp, stats = run(pc)
+    alone, alone_lp, _ = run(None)
+    assert stats.cached_tokens == len(tok.encode(text)) > 0
+    assert cached == alone and np.abs(cached_lp - alone_lp).max() < 1e-5
