@@ -441,8 +441,42 @@ def test_the_server_reads_images_in_both_apis(seen, references):
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}]}]})
         assert r.status_code == 400 and "images[1] is not an image" in r.json()["error"][
             "message"], r.text
+        _concurrent_requests_are_each_exact(seen, served)
     finally:
         served.close()
+
+
+def _concurrent_requests_are_each_exact(seen, served) -> None:
+    """Two image requests (different images) and a text request at once, in one batch: each
+    reply is the library's alone."""
+    import base64
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    def url(picture):
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    text = "def parse(self, x):"
+    cases = [[seen["images"][0]], [seen["images"][2]], []]
+
+    def ask(images):
+        content = [{"type": "image_url", "image_url": {"url": url(p)}} for p in images]
+        reply = served.client().chat.completions.create(
+            model="vlm", max_tokens=NEW, temperature=0,
+            messages=[{"role": "user", "content": content + [{"type": "text", "text": text}]}])
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(ask, cases))
+    for images, reply in zip(cases, got):
+        message = [{"role": "user", "content": [{"type": "image"}] * len(images)
+                    + [{"type": "text", "text": text}]}]
+        want = "".join(r.text for r in stream_generate(
+            seen["target"], seen["draft"], seen["tok"], message, images=images or None,
+            max_tokens=NEW, k=2))
+        assert reply == want, (len(images), reply, want)
 
 
 def test_the_command_line_takes_images(seen, tmp_path, capsys, checkpoints):
