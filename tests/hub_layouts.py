@@ -114,3 +114,73 @@ def build_vision(root: Path, target_dir: Path, draft_dir: Path, mtp: dict) -> tu
     config["vocab_size"] = width
     (draft_out / "config.json").write_text(json.dumps(config, indent=1))
     return out, draft_out
+
+
+GEMMA_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<start_of_image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def build_gemma_vision(root: Path, target_dir: Path) -> Path:
+    """A Gemma 3 vision-language checkpoint in the hub's layout (root/gemma_vision) whose
+    language model is the Gemma 3 text checkpoint in `target_dir` (its sliding window widened
+    to 128 so that a prompt with an image fits it), with a one-layer SigLIP tower (32 x 32
+    pixels in 8-pixel patches, pooled to 4 image tokens; initialised at 0.2), the image tokens
+    added to the tokenizer (`boi_token` etc., as the hub's tokenizer config names them), the
+    hub's top-level keys in the text config (rope_theta, rope_local_base_freq,
+    sliding_window_pattern, mm_tokens_per_image; vocab_size at the top, where mlx-lm reads it)
+    and a Gemma 3 image processor config."""
+    import json
+
+    import torch
+    import transformers as tf
+    from safetensors.numpy import load_file, save_file
+
+    out = root / "gemma_vision"
+    tokenizer = tf.AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_VISION_TOKENS})
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids(GEMMA_VISION_TOKENS)
+    text = json.loads((target_dir / "config.json").read_text())
+    text["sliding_window"] = 128
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_use_head=False)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                             boi_token_index=ids[0], eoi_token_index=ids[1],
+                             image_token_index=ids[2], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.model.vision_tower.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else None
+    model.save_pretrained(out)
+    weights = load_file(str(out / "model.safetensors"))
+    for name, value in load_file(str(target_dir / "model.safetensors")).items():
+        weights["language_model." + name] = value
+    tower = "vision_tower."  # the hub's checkpoints nest SigLIP under vision_model
+    weights = {(tower + "vision_model." + k[len(tower):] if k.startswith(tower) else k): v
+               for k, v in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    written = json.loads((out / "config.json").read_text())
+    written["vocab_size"] = text["vocab_size"]
+    written["text_config"].update(mm_tokens_per_image=4, rope_theta=1e6,
+                                  rope_local_base_freq=1000.0, sliding_window_pattern=6,
+                                  tie_word_embeddings=False)
+    written["text_config"]["rope_parameters"]["full_attention"]["rope_theta"] = 1e6
+    (out / "config.json").write_text(json.dumps(written, indent=1))
+    tokenizer.save_pretrained(out)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config["extra_special_tokens"] = dict(zip(
+        ("boi_token", "eoi_token", "image_token"), GEMMA_VISION_TOKENS))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": 32, "width": 32}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "do_pan_and_scan": False, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "resample": 2, "rescale_factor": 1 / 255}))
+    (out / "processor_config.json").write_text(json.dumps({
+        "image_seq_length": 4, "processor_class": "Gemma3Processor"}))
+    return out

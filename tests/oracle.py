@@ -51,12 +51,13 @@ class Oracle:
 
 
 class VisionOracle(Oracle):
-    """The oracle of a vision-language checkpoint (transformers' Qwen3.5 with its vision tower),
+    """The oracle of a vision-language checkpoint (transformers' model with its vision tower),
     bound to one prompt's images: `bind(inputs)` -> an oracle whose `logits(ids)` runs `ids`
     (that prompt, then any continuation) with those pixel inputs (mlx-vlm's processor's, as
-    numpy), image positions marked as transformers marks them (`mm_token_type_ids`)."""
+    numpy), image positions marked as transformers marks them (`marks`: Qwen3.5's
+    `mm_token_type_ids`, Gemma 3's `token_type_ids`)."""
 
-    def __init__(self, directory: Path, image_token_id: int):
+    def __init__(self, directory: Path, image_token_id: int, marks: str = "mm_token_type_ids"):
         import torch
         from transformers import AutoModelForImageTextToText
 
@@ -64,6 +65,7 @@ class VisionOracle(Oracle):
         self.model = AutoModelForImageTextToText.from_pretrained(
             directory, dtype=torch.float32).eval()
         self.image_token_id = image_token_id
+        self.marks = marks
         self.inputs: dict = {}
 
     def bind(self, inputs: dict) -> VisionOracle:
@@ -74,7 +76,7 @@ class VisionOracle(Oracle):
 
     def logits(self, ids: list[int]) -> np.ndarray:
         tokens = self.torch.tensor([ids])
-        marks = (tokens == self.image_token_id).long()
+        marks = {self.marks: (tokens == self.image_token_id).long()}
         with self.torch.no_grad():
-            out = self.model(input_ids=tokens, mm_token_type_ids=marks, **self.inputs).logits[0]
+            out = self.model(input_ids=tokens, **marks, **self.inputs).logits[0]
         return out.double().numpy()

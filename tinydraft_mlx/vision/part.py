@@ -2,11 +2,12 @@
 
 mlx-lm loads a vision-language checkpoint's language model alone (it drops the vision tower's
 tensors); mlx-vlm loads all of it. `load_vision` loads mlx-vlm's model lazily and points its
-language model's parameters at the target's arrays wherever the two agree (same name, same
-shape, and every one-dimensional tensor equal after the cast to the target's dtype: the norms,
-which each library's loader may store shifted), so the language model's weights are held once
-and mlx-vlm's prefill runs the very weights the target decodes with. Where they disagree
-nothing is shared (mlx-vlm keeps its own copy: more memory, the same outputs).
+language model's parameters at the target's arrays wherever the two agree (same name, or a
+tied target's embeddings for mlx-vlm's LM head; same shape), provided every one-dimensional
+tensor shared is equal after the cast to the target's dtype (the norms, which each library's
+loader may store shifted): the language model's weights are held once and mlx-vlm's prefill
+runs the very weights the target decodes with. Where a norm disagrees nothing is shared, and an
+array without a counterpart stays mlx-vlm's own (more memory, the same outputs).
 """
 
 from __future__ import annotations
@@ -100,16 +101,20 @@ def load_vision(target: nn.Module, path: str | Path) -> Vision:
 
 
 def _share(target: nn.Module, language: nn.Module) -> tuple[int, int]:
-    """Point `language`'s parameters at `target`'s where they agree (module docstring); returns
-    (arrays shared, arrays in `language`)."""
+    """Point `language`'s parameters at `target`'s where they agree (module docstring; a tied
+    target's embeddings serve mlx-vlm's separate LM head, as Gemma 3's do); returns (arrays
+    shared, arrays in `language`)."""
     ours = dict(tree_flatten(target.parameters()))
     theirs = tree_flatten(language.parameters())
     pairs = []
     for name, value in theirs:
-        mine = ours.get(f"language_model.{name}", ours.get(name))
-        if mine is None or mine.shape != value.shape:
-            return 0, len(theirs)
-        pairs.append((name, value, mine))
+        names = [name, f"language_model.{name}"]
+        if name.startswith("lm_head."):  # a tied head: the embeddings' arrays
+            tied = "model.embed_tokens." + name[len("lm_head."):]
+            names += [tied, f"language_model.{tied}"]
+        mine = next((ours[n] for n in names if n in ours), None)
+        if mine is not None and mine.shape == value.shape:
+            pairs.append((name, value, mine))
     small = [(v.astype(m.dtype), m) for _, v, m in pairs if v.ndim == 1]
     if small and not all(mx.array_equal(v, m).item() for v, m in small):
         return 0, len(theirs)

@@ -16,6 +16,12 @@ is rotated by -delta once here (the layer's own RoPE module, applied at offset -
 key as a sequence of one): the target then decodes at its own positions and every distance is
 mlx-vlm's. Text-only prompts never come here (delta 0).
 
+Image attention. Gemma 3's image tokens attend to every position of their own image during the
+prefill (transformers' `token_type_ids` mask), mlx-vlm's language model runs them causally: for
+the model types in `WHOLE_IMAGE` each chunk gets that mask (causal, and each image position
+sees its whole image; chunks end outside images), so the prompt's states are transformers'. One
+mask serves every layer, so such a prompt must fit the sliding window (refused otherwise).
+
 The states a head drafter reads (the target's final states, a layer's output) come from the same
 forward (mlx-vlm's `return_hidden` / `capture_layer_ids`) into the engine's open capture, so an
 MTP layer or an EAGLE-3 head reads the image positions as the target saw them.
@@ -36,6 +42,9 @@ from .part import Vision, VisionError
 from .prompt import VisionPrompt
 
 Progress = Any  # f(processed, total) or None
+# model types whose image positions attend to their whole image in the prefill (Gemma 3's
+# token_type_ids mask in transformers); the others' attend causally
+WHOLE_IMAGE = ("gemma3",)
 
 
 class VisionPrefill:
@@ -45,6 +54,18 @@ class VisionPrefill:
 
     def __init__(self, vision: Vision, prompt: VisionPrompt) -> None:
         self.vision, self.prompt = vision, prompt
+        language = vision.model.language_model
+        window = getattr(getattr(language, "config", None), "sliding_window", None)
+        end = len(prompt.ids) - 1
+        if self._spans() and window and end > window:  # one mask serves every layer
+            raise VisionError(f"this prompt's {end} positions before its last token do not fit "
+                              f"the sliding window of {window}: prompts with images must fit "
+                              "the window")
+
+    def _spans(self) -> list[tuple[int, int]] | None:
+        """Each image's positions where they attend to their whole image (`WHOLE_IMAGE`)."""
+        kind = getattr(self.vision.model.config, "model_type", None)
+        return _spans(self.prompt.positions) if kind in WHOLE_IMAGE else None
 
     def covers(self, start: int) -> bool:
         return self.prompt.images_from(start)
@@ -71,12 +92,14 @@ class VisionPrefill:
         if tags:
             kwargs.update(return_hidden=FINAL in tags, capture_layer_ids=after or None)
         theirs = _their_cache(language)
+        spans = self._spans()
         _reset(language)
         try:
             if start:
                 _hand(cache, theirs, start)
-            for a in range(start, end, PREFILL_STEP):
-                b = min(end, a + PREFILL_STEP)
+            for a, b in _chunks(start, end, spans or []):
+                if spans is not None:
+                    kwargs["mask"] = _whole_image_mask(a, b, spans)
                 out = language(ids[:, a:b], inputs_embeds=embeds[:, a:b], cache=theirs,
                                **kwargs)
                 states = list(getattr(out, "hidden_states", None) or [])[: len(tags)]
@@ -88,6 +111,42 @@ class VisionPrefill:
         finally:
             _reset(language)
         _take(theirs, cache, target, end, shift)
+
+
+def _spans(positions: list[int]) -> list[tuple[int, int]]:
+    """Each image's [first, last + 1) (consecutive image positions)."""
+    out: list[tuple[int, int]] = []
+    for at in positions:
+        if out and out[-1][1] == at:
+            out[-1] = (out[-1][0], at + 1)
+        else:
+            out.append((at, at + 1))
+    return out
+
+
+def _chunks(start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[a, b) chunks of at most PREFILL_STEP positions from `start` to `end`, each extended to
+    the end of an image it would cut."""
+    out, a = [], start
+    while a < end:
+        b = min(end, a + PREFILL_STEP)
+        b = max([b] + [last for first, last in spans if first < b < last])
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _whole_image_mask(a: int, b: int, spans: list[tuple[int, int]]) -> mx.array:
+    """(b - a, b) booleans: row i (position a + i) sees position j where j <= a + i or both lie
+    in one image."""
+    rows = mx.arange(a, b)[:, None]
+    cols = mx.arange(b)[None, :]
+    seen = cols <= rows
+    for first, last in spans:
+        if first < b and last > a:
+            inside = (rows >= first) & (rows < last) & (cols >= first) & (cols < last)
+            seen = seen | inside
+    return seen
 
 
 def _their_cache(language: nn.Module) -> list:
