@@ -538,3 +538,27 @@ def test_a_cached_text_prefix_is_handed_to_mlx_vlm(seen):
     alone, alone_lp, _ = run(None)
     assert stats.cached_tokens == len(tok.encode(text)) > 0
     assert cached == alone and np.abs(cached_lp - alone_lp).max() < 1e-5
+
+
+def test_a_draft_without_rows_for_the_image_tokens_reads_id_0_there(seen, references,
+                                                                   tmp_path):
+    """The text draft with its own narrower vocabulary (no rows for the image tokens, as
+    gemma-3-1b has none for Gemma 3's): its embeddings read id 0 for them, and the output is
+    the oracle's."""
+    import shutil
+
+    from tinydraft_mlx.engine.hidden import embeddings
+
+    directory = tmp_path / "narrow"  # the text draft, with the target's tokenizer
+    shutil.copytree(seen["directory"].parents[1] / "qwen3_5" / "draft", directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(seen["directory"] / name, directory / name)
+    narrow = load_draft(str(directory), seen["tok"], dtype="float32")
+    table = embeddings(narrow)
+    rows = table.weight.shape[0]
+    assert rows < vision_of(seen["target"]).image_token_id
+    out, stats = generate(seen["target"], narrow, seen["tok"], ONE,
+                          images=[seen["images"][0]], max_tokens=NEW, k=3)
+    assert out == references[0][1] and stats.drafted > 0
+    ids = mx.array([[3, rows + 2]])
+    assert np.array_equal(np.array(table(ids)[0, 1]), np.array(table.weight[0]))

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from ..cache import Cache, cache_length, rollback
 from ..forward import PREFILL_STEP, model_inputs, prefill
 from ..sampling import draw, process_logits, sample_rows, sampling_groups, seeded, warp
+from .inputs import guard
 
 
 def draft_logits(
@@ -48,6 +49,7 @@ class Chain:
 
     def __init__(self, model: nn.Module, caches: Any, chunk: int, width: int | None) -> None:
         self.model, self.caches, self.chunk, self.width = model, caches, chunk, width
+        guard(model, width)  # a narrower draft reads id 0 for the ids it has no row for
         self.uids: list[int] = []  # its rows, in cache row order
         # the latest run's (rows, steps, Vq) step logits, where a row grows a tree from them
         self.logits: mx.array | None = None
