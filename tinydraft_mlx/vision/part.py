@@ -13,7 +13,8 @@ array without a counterpart stays mlx-vlm's own (more memory, the same outputs).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ class Vision:
     path: Path
     shared: int
     total: int
+    # one prompt at a time through the processor (its tokenizer pads, which a fast tokenizer
+    # refuses while another thread holds it: the server plans requests on several threads)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def image_token(self) -> str:

@@ -126,14 +126,16 @@ def vision_prompt(vision: Vision, prompt: Any, images: list[ImageLike],
     from mlx_vlm.utils import prepare_inputs
 
     images = list(images)
-    text = _render(vision, prompt, images, chat_template)
+    with vision.lock:
+        text = _render(vision, prompt, images, chat_template)
     marked = text.count(vision.image_token)
     if marked != len(images):
         where = "image parts in the messages" if not isinstance(prompt, str) else \
             f"{vision.image_token!r} marks in the prompt"
         raise VisionError(f"the prompt has {marked} {where} for {len(images)} images")
     pictures = [load_image(image, f"images[{j}]") for j, image in enumerate(images)]
-    inputs = prepare_inputs(vision.processor, images=pictures or None, prompts=[text])
+    with vision.lock:
+        inputs = prepare_inputs(vision.processor, images=pictures or None, prompts=[text])
     ids = [int(i) for i in np.array(inputs["input_ids"][0])]
     token = vision.image_token_id
     positions = [j for j, i in enumerate(ids) if i == token]
