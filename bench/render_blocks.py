@@ -209,3 +209,25 @@ def peers(r: dict) -> list[str]:
             same = {None: "", True: "yes", False: "**no**"}[v.get("same_as_ours")]
             lines.append(f"| {key} | {name} | {v['tok_s']:.0f} | {v['vs_ours']:.2f}x | {same} |")
     return lines
+
+
+def vision(r: dict) -> list[str]:
+    s = r["settings"]
+    lines = [
+        f"**Prompts with an image: ours and mlx-vlm** (`python -m bench.vision`; a tiny random "
+        f"Qwen3.5 vision-language checkpoint with its MTP layer, {s['dtype']}, {s['prompts']} "
+        f"prompts of one image ({' and '.join(map(str, s['image_positions']))} image positions) "
+        f"x {s['tokens']} tokens, each contender a process of its own, median of "
+        f"{s['repeats']} interleaved runs, mlx-vlm {s['mlx_vlm']}, MKL for both; "
+        "[json](results/vision.json), [plot](results/vision.png)): decode tokens/s and prefill "
+        "seconds (mlx-vlm's prefill in both), with the ratios to ours plain",
+        "",
+        "| temperature | contender | tok/s | vs ours | prefill s | vs ours | greedy == ours |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, cell in r["cells"].items():
+        for name, v in cell.items():
+            same = {None: "", True: "yes", False: "**no**"}[v.get("same_as_ours")]
+            lines.append(f"| {key} | {name} | {v['tok_s']:.0f} | {v['vs_ours']:.2f}x | "
+                         f"{v['prefill_s']:.3f} | {v['prefill_vs_ours']:.2f}x | {same} |")
+    return lines

@@ -540,6 +540,7 @@ def main() -> None:
         ("trees", render_blocks.trees),
         ("tree_shapes", render_blocks.tree_shapes),
         ("peers", render_blocks.peers),
+        ("vision", render_blocks.vision),
     ]:
         data = _load(name)
         if data is not None:
