@@ -213,14 +213,16 @@ def peers(r: dict) -> list[str]:
 
 def vision(r: dict) -> list[str]:
     s = r["settings"]
+    images = " and ".join(map(str, s["image_positions"]))
+    tokens = " and ".join(map(str, s["prompt_tokens"]))
     lines = [
         f"**Prompts with an image: ours and mlx-vlm** (`python -m bench.vision`; a tiny random "
         f"Qwen3.5 vision-language checkpoint with its MTP layer, {s['dtype']}, {s['prompts']} "
-        f"prompts of one image ({' and '.join(map(str, s['image_positions']))} image positions) "
-        f"x {s['tokens']} tokens, each contender a process of its own, median of "
-        f"{s['repeats']} interleaved runs, mlx-vlm {s['mlx_vlm']}, MKL for both; "
-        "[json](results/vision.json), [plot](results/vision.png)): decode tokens/s and prefill "
-        "seconds (mlx-vlm's prefill in both), with the ratios to ours plain",
+        f"prompts of one image ({images} image positions of {tokens} tokens) x {s['tokens']} "
+        f"tokens, each contender a process of its own, median of {s['repeats']} interleaved "
+        f"runs, mlx-vlm {s['mlx_vlm']}, MKL for both; [json](results/vision.json), "
+        "[plot](results/vision.png)): decode tokens/s and prefill seconds (mlx-vlm's prefill in "
+        "both), with the ratios to ours plain",
         "",
         "| temperature | contender | tok/s | vs ours | prefill s | vs ours | greedy == ours |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -1,7 +1,7 @@
 """Prompts with images: ours (mlx-vlm's prefill, our decode) against mlx-vlm's own generation, plain
 and with the checkpoint's MTP layer, each contender in a process of its own.
 
-    python -m bench.vision       # ~6 minutes on a 2-core machine; results/vision.json, .png
+    python -m bench.vision       # ~5 minutes on a 2-core machine; results/vision.json, .png
 
 Fixture, built once with transformers into ~/.cache/tinydraft-mlx/peers/qwen3.5-vision (as
 bench/peers.py's qwen3.5: random weights at 0.2, float32, hidden 128, 4 layers, 3 Gated DeltaNet
@@ -33,7 +33,7 @@ from bench.peers import CACHE, ROOT, _add_mtp, _text_config
 
 FIXTURE = CACHE / "qwen3.5-vision"
 TEMPERATURES = (0.0, 0.7)
-PROMPTS, TOKENS, REPEATS = 2, 128, 3
+PROMPTS, TOKENS, REPEATS = 2, 384, 3
 CONTENDERS = ("ours", "ours-mtp-1", "ours-mtp-auto", "mlx-vlm", "mlx-vlm-mtp-1")
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TEMPLATE = (
@@ -89,6 +89,22 @@ def _pictures() -> list:
 
 
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
+
+
+def _image_positions() -> list[tuple[int, int]]:
+    """(image positions, prompt tokens) of each prompt, as the fixture's processor makes them."""
+    import mlx_vlm.models.qwen3_5  # noqa: F401  (registers the processor)
+    import numpy as np
+    from mlx_vlm.utils import load_processor, prepare_inputs
+
+    processor = load_processor(FIXTURE)
+    text = processor.tokenizer.apply_chat_template(MESSAGES, tokenize=False,
+                                                   add_generation_prompt=True)
+    out = []
+    for picture in _pictures():
+        ids = np.array(prepare_inputs(processor, images=[picture], prompts=[text])["input_ids"][0])
+        out.append((int((ids == processor.image_token_id).sum()), len(ids)))
+    return out
 
 
 def _timed(run) -> tuple[float, float, int, list[int], int]:
@@ -204,7 +220,9 @@ def main() -> None:
                 print(key, name, round(out["rate"], 1), round(out["prefill_s"], 3), flush=True)
     report = {"machine": machine(), "settings": {
         "prompts": PROMPTS, "tokens": TOKENS, "repeats": REPEATS, "dtype": "float32",
-        "mlx_vlm": mlx_vlm.__version__, "image_positions": [196, 168],
+        "mlx_vlm": mlx_vlm.__version__,
+        "image_positions": [n for n, _ in _image_positions()],
+        "prompt_tokens": [n for _, n in _image_positions()],
         "seconds": round(time.time() - start)}, "cells": {}}
     for key, by_name in runs.items():
         plain = last[key]["ours"]["outs"]
