@@ -562,3 +562,24 @@ def test_a_draft_without_rows_for_the_image_tokens_reads_id_0_there(seen, refere
     assert out == references[0][1] and stats.drafted > 0
     ids = mx.array([[3, rows + 2]])
     assert np.array_equal(np.array(table(ids)[0, 1]), np.array(table.weight[0]))
+
+
+def test_a_prompt_cache_file_keeps_the_image_key(seen, tmp_path):
+    """Saved and loaded (the CLI's --prompt-cache-file), a cache of an image prompt is reused by
+    a prompt extending it with the same image, and not with another of the same size."""
+    tok, target, images = seen["tok"], seen["target"], seen["images"]
+    first = "<|vision_start|><|image_pad|><|vision_end|> def parse(self, x):"
+    then = first + "\n    return x"
+    pc = PromptCache(target, seen["draft"])
+    generate(target, seen["draft"], tok, first, images=[images[0]], max_tokens=1,
+             prompt_cache=pc)
+    pc.save(tmp_path / "cache.safetensors")
+    ids = vision_prefill(target, first, [images[0]]).prompt.ids
+    assert vision_prefill(target, then, [images[0]]).prompt.ids[: len(ids)] == ids
+    for picture, reused in ((images[0], len(ids)), (images[2], 0)):
+        loaded = PromptCache.load(tmp_path / "cache.safetensors", target, seen["draft"])
+        out, stats = generate(target, seen["draft"], tok, then, images=[picture], max_tokens=8,
+                              k=2, prompt_cache=loaded)
+        alone, _ = generate(target, seen["draft"], tok, then, images=[picture], max_tokens=8,
+                            k=2)
+        assert stats.cached_tokens == reused and out == alone
