@@ -31,6 +31,22 @@ def nest_as_hub(target_dir: Path, hub: Path, family: str, interval: bool = True)
     return hub
 
 
+def _with_tower(cls: type, config, tower: str, out: Path) -> dict:
+    """`cls(config)` (a transformers model, built with seed 0) with its vision tower's matrices
+    drawn at 0.2, saved to `out`; its tensors as saved."""
+    import torch
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for p in getattr(model.model, tower).parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.2)
+    model.eval().save_pretrained(out)
+    return load_file(str(out / "model.safetensors"))
+
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # renders {"type": "image"} parts as Qwen's templates do
 VISION_TEMPLATE = (
@@ -55,7 +71,6 @@ def build_vision(root: Path, target_dir: Path, draft_dir: Path, mtp: dict) -> tu
     import shutil
 
     import numpy as np
-    import torch
     import transformers as tf
     from safetensors.numpy import load_file, save_file
 
@@ -75,13 +90,7 @@ def build_vision(root: Path, target_dir: Path, draft_dir: Path, mtp: dict) -> tu
     config = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
                               vision_start_token_id=ids[0], vision_end_token_id=ids[1],
                               image_token_id=ids[2], video_token_id=ids[3])
-    torch.manual_seed(0)
-    model = tf.Qwen3_5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.model.visual.parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else None
-    model.save_pretrained(out)
-    weights = load_file(str(out / "model.safetensors"))
+    weights = _with_tower(tf.Qwen3_5ForConditionalGeneration, config, "visual", out)
     for name, value in load_file(str(target_dir / "model.safetensors")).items():
         hub = "model.language_model." + name[len("model."):] if name.startswith("model.") \
             else name
@@ -135,7 +144,6 @@ def build_gemma_vision(root: Path, target_dir: Path) -> Path:
     and a Gemma 3 image processor config."""
     import json
 
-    import torch
     import transformers as tf
     from safetensors.numpy import load_file, save_file
 
@@ -151,13 +159,7 @@ def build_gemma_vision(root: Path, target_dir: Path) -> Path:
     config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                              boi_token_index=ids[0], eoi_token_index=ids[1],
                              image_token_index=ids[2], tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = tf.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.model.vision_tower.parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else None
-    model.save_pretrained(out)
-    weights = load_file(str(out / "model.safetensors"))
+    weights = _with_tower(tf.Gemma3ForConditionalGeneration, config, "vision_tower", out)
     for name, value in load_file(str(target_dir / "model.safetensors")).items():
         weights["language_model." + name] = value
     tower = "vision_tower."  # the hub's checkpoints nest SigLIP under vision_model
