@@ -39,7 +39,7 @@ from ..engine.cache.recurrent import RecurrentCache
 from ..engine.forward import PREFILL_STEP
 from ..engine.hidden import FINAL, body, record, watched
 from .part import Vision, VisionError
-from .prompt import VisionPrompt
+from .prompt import VisionPrompt, spans
 
 Progress = Any  # f(processed, total) or None
 # model types whose image positions attend to their whole image in the prefill (Gemma 3's
@@ -65,7 +65,7 @@ class VisionPrefill:
     def _spans(self) -> list[tuple[int, int]] | None:
         """Each image's positions where they attend to their whole image (`WHOLE_IMAGE`)."""
         kind = getattr(self.vision.model.config, "model_type", None)
-        return _spans(self.prompt.positions) if kind in WHOLE_IMAGE else None
+        return spans(self.prompt.positions) if kind in WHOLE_IMAGE else None
 
     def covers(self, start: int) -> bool:
         return self.prompt.images_from(start)
@@ -92,14 +92,14 @@ class VisionPrefill:
         if tags:
             kwargs.update(return_hidden=FINAL in tags, capture_layer_ids=after or None)
         theirs = _their_cache(language)
-        spans = self._spans()
+        blocks = self._spans()
         _reset(language)
         try:
             if start:
                 _hand(cache, theirs, start)
-            for a, b in _chunks(start, end, spans or []):
-                if spans is not None:
-                    kwargs["mask"] = _whole_image_mask(a, b, spans)
+            for a, b in _chunks(start, end, blocks or []):
+                if blocks is not None:
+                    kwargs["mask"] = _whole_image_mask(a, b, blocks)
                 out = language(ids[:, a:b], inputs_embeds=embeds[:, a:b], cache=theirs,
                                **kwargs)
                 states = list(getattr(out, "hidden_states", None) or [])[: len(tags)]
@@ -111,17 +111,6 @@ class VisionPrefill:
         finally:
             _reset(language)
         _take(theirs, cache, target, end, shift)
-
-
-def _spans(positions: list[int]) -> list[tuple[int, int]]:
-    """Each image's [first, last + 1) (consecutive image positions)."""
-    out: list[tuple[int, int]] = []
-    for at in positions:
-        if out and out[-1][1] == at:
-            out[-1] = (out[-1][0], at + 1)
-        else:
-            out.append((at, at + 1))
-    return out
 
 
 def _chunks(start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -140,25 +140,25 @@ def vision_prompt(vision: Vision, prompt: Any, images: list[ImageLike],
     token = vision.image_token_id
     positions = [j for j, i in enumerate(ids) if i == token]
     keys: list[Any] = list(ids)
-    runs = _runs(positions)
+    runs = spans(positions)
     if len(runs) != len(pictures):
         raise VisionError(f"the processor gave {len(runs)} image spans for {len(pictures)} "
                           "images")
-    for picture, run in zip(pictures, runs):
+    for picture, (first, last) in zip(pictures, runs):
         name = digest(picture)
-        for n, at in enumerate(run):
-            keys[at] = f"image:{name}:{n}"
+        for at in range(first, last):
+            keys[at] = f"image:{name}:{at - first}"
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     extra["mask"] = inputs.get("attention_mask", mx.ones((1, len(ids)), dtype=mx.int32))
     return VisionPrompt(ids, keys, extra, positions)
 
 
-def _runs(positions: list[int]) -> list[list[int]]:
-    """Consecutive positions grouped: one run per image."""
-    runs: list[list[int]] = []
+def spans(positions: list[int]) -> list[tuple[int, int]]:
+    """Each image's [first, last + 1): runs of consecutive image positions."""
+    out: list[tuple[int, int]] = []
     for at in positions:
-        if runs and runs[-1][-1] == at - 1:
-            runs[-1].append(at)
+        if out and out[-1][1] == at:
+            out[-1] = (out[-1][0], at + 1)
         else:
-            runs.append([at])
-    return runs
+            out.append((at, at + 1))
+    return out
