@@ -190,8 +190,9 @@ def test_keys_not_moved_leave_the_oracle(seen, references, monkeypatch):
 
 
 def test_the_handed_cache_is_mlx_vlms_own(seen):
-    """After our prefill of two images: every recurrent layer's window and state == mlx-vlm's
-    cache after its own prefill; values equal; keys equal once moved back by rope_deltas."""
+    """After our prefill of two images (mlx-vlm's part: to the end of the last image): every
+    recurrent layer's window and state == mlx-vlm's cache after its own prefill; values equal;
+    keys equal once moved back by rope_deltas."""
     from mlx_vlm.models.cache import make_prompt_cache
 
     from tinydraft_mlx.engine.cache import make_cache
@@ -201,9 +202,9 @@ def test_the_handed_cache_is_mlx_vlms_own(seen):
     target = seen["target"]
     images = [seen["images"][0], seen["images"][1]]
     own = vision_prefill(target, TWO, images)
-    n = len(own.prompt.ids) - 1
     ours = make_cache(target, None, 4)
-    own.prefill(target, ours, n)
+    n = own.prefill(target, ours, len(own.prompt.ids) - 1)  # to the end of the last image
+    assert n == own.prompt.positions[-1] + 1
     inputs = _inputs(seen, TWO, images)
     model = seen["vlm"]
     features = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"],
@@ -386,9 +387,8 @@ def test_a_head_reads_the_image_positions_as_the_target_saw_them(seen, reference
     target = seen["target"]
     assert FINAL in watched(target)  # the MTP head watches the target's final states
     own = vision_prefill(target, TWO, [seen["images"][0], seen["images"][1]])
-    n = len(own.prompt.ids) - 1
     with capture() as got:
-        own.prefill(target, make_cache(target, None, 4), n)
+        n = own.prefill(target, make_cache(target, None, 4), len(own.prompt.ids) - 1)
     states = mx.concatenate([a for tag, a in got if tag == FINAL], axis=1)
     ids, _, oracle = references[1]
     tokens = torch.tensor([ids[:n]])

@@ -9,7 +9,8 @@ On a tiny Gemma 3 vision-language checkpoint built at test time in the hub's lay
   2e-4 of the oracle's; the language model's weights are held once;
 - the control: the prefill with the image attending causally (mlx-vlm's own rule) puts the log-
   probabilities after the prompt more than 1e-2 from the oracle's;
-- a prompt longer than the sliding window is refused in one line.
+- text after the image running far past the sliding window (the target's own prefill) ==
+  the oracle; an image past the window is refused in one line.
 """
 
 from __future__ import annotations
@@ -79,12 +80,26 @@ def test_a_causal_image_leaves_the_oracle(gemma, monkeypatch):
     assert np.abs(got - want[: got.shape[0]]).max() > 1e-2
 
 
-def test_a_prompt_beyond_the_sliding_window_is_refused_in_one_line(gemma):
+def test_text_past_the_window_after_the_image_runs_and_an_image_past_it_is_refused(gemma):
+    """mlx-vlm runs the prompt to the end of its image, the target the text after it (its own
+    sliding windows): a prompt whose text runs far past the window after the image equals the
+    oracle; an image past the window is refused in one line before any work."""
     target, tok, picture, _, _ = gemma
-    long = "x = 1\n" * 60 + PROMPT
+    long = PROMPT + "\n    x = 1" * 60
+    own = vision_prefill(target, long, [picture])
+    assert len(own.prompt.ids) > 2 * 128 > own.prompt.positions[-1]
+    oracle = gemma[4]
+    greedy, _ = oracle.greedy(own.prompt.ids, 4)
+    out = list(stream_generate(target, "prompt-lookup", tok, long, images=[picture],
+                               max_tokens=4, k=2))
+    assert [r.token for r in out] == greedy
+    want = _log_softmax(oracle.logits(own.prompt.ids)[-1])
+    got = np.array(out[0].logprobs.astype(mx.float32))
+    assert np.abs(got - want[: got.shape[0]]).max() < 2e-4
+    late = "x = 1\n" * 60 + PROMPT
     with pytest.raises(ValueError) as err:  # before any work
-        stream_generate(target, None, tok, long, images=[picture], max_tokens=2)
-    assert "must fit the window" in str(err.value) and "\n" not in str(err.value)
+        stream_generate(target, None, tok, late, images=[picture], max_tokens=2)
+    assert "past the sliding window of 128" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_tied_target_shares_its_embeddings_with_mlx_vlms_head():

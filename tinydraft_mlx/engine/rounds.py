@@ -80,8 +80,8 @@ __all__ = ["BatchDecoder", "Finished", "Token", "max_draft_length", "unbatchable
 Progress = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens to process)
 
 
-def _progress(progress: Progress, total: int) -> Callable[[int], None]:
-    return lambda done: progress(done, total)
+def _progress(progress: Progress, total: int, past: int = 0) -> Callable[[int], None]:
+    return lambda done: progress(past + done, total)
 
 
 def unbatchable(target: nn.Module, draft: nn.Module | None = None) -> str | None:
@@ -327,10 +327,10 @@ class BatchDecoder:
             with mx.stream(self.stream), (capture() if reads else nullcontext([])) as seen:
                 if done is not None:
                     done(0)
-                if own is not None:
-                    own.prefill(self.target, row.target_cache, len(row.seq) - 1, done)
-                else:
-                    prefill(self.target, row.target_cache, chunk, progress=done)
+                past = own.prefill(self.target, row.target_cache, len(row.seq) - 1, done) \
+                    if own is not None else 0  # mlx-vlm to the last image; the target the rest
+                prefill(self.target, row.target_cache, todo[past : len(chunk)],
+                        progress=progress and _progress(progress, len(todo), past))
                 rest = max(0, left - len(chunk))
                 fed, ready = self.drafting.admit(row, row.draft_cache,
                                                  None if rest == math.inf else int(rest),

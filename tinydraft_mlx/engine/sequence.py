@@ -23,12 +23,14 @@ class OwnPrefill(Protocol):
     """A prompt's own prefill, where the target's forward over its ids is not the prompt (a
     prompt with images: vision/prefill.py). `covers(start)`: whether the prompt from position
     `start` on needs it; `prefill(target, cache, end, progress)` fills the one-sequence cache
-    from its length to position `end` (and hands a head's states to the open capture)."""
+    from its length towards position `end` as far as it must (a prompt with images: to its last
+    image), hands a head's states to the open capture, and returns how many positions it
+    filled; the target's own prefill does the rest."""
 
     def covers(self, start: int) -> bool: ...
 
     def prefill(self, target: Any, cache: Cache, end: int,
-                progress: Callable[[int], None] | None = None) -> None: ...
+                progress: Callable[[int], None] | None = None) -> int: ...
 
 
 @dataclass(frozen=True)

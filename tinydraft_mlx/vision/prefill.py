@@ -1,12 +1,13 @@
 """The prefill of a prompt with images, by mlx-vlm, handed to the engine's cache.
 
 mlx-vlm's `get_input_embeddings` puts the vision tower's features at the image positions and
-gives the positions its language model runs them at; its language model then runs the prompt
-(but its last token, which the engine's first round feeds) into a cache of mlx-vlm's own, in
-chunks of `PREFILL_STEP`, as mlx-vlm's own generation does. The cache is then handed over: each
-attention layer's keys and values, each recurrent layer's window and state, the engine's cache
-holding afterwards exactly what mlx-vlm's held. A cached prefix (a prompt cache's, never with an
-image in it: `VisionPrompt.reusable`) is handed to mlx-vlm's cache first.
+gives the positions its language model runs them at; its language model then runs the prompt up
+to the end of its last image into a cache of mlx-vlm's own, in chunks of `PREFILL_STEP`, as
+mlx-vlm's own generation does. The cache is then handed over: each attention layer's keys and
+values, each recurrent layer's window and state, the engine's cache holding afterwards exactly
+what mlx-vlm's held; the text after the last image is the target's own prefill (the engine's
+first round feeds the last token, as for any prompt). A cached prefix (a prompt cache's, never
+with an image in it: `VisionPrompt.reusable`) is handed to mlx-vlm's cache first.
 
 Positions. Models with multimodal RoPE (Qwen2-VL and after, Qwen3.5) give an image's positions
 its height and width, not one position per token, so text after an image runs at position
@@ -20,7 +21,8 @@ Image attention. Gemma 3's image tokens attend to every position of their own im
 prefill (transformers' `token_type_ids` mask), mlx-vlm's language model runs them causally: for
 the model types in `WHOLE_IMAGE` each chunk gets that mask (causal, and each image position
 sees its whole image; chunks end outside images), so the prompt's states are transformers'. One
-mask serves every layer, so such a prompt must fit the sliding window (refused otherwise).
+mask serves every layer, so the images must lie within the sliding window (refused otherwise);
+the text after them, the target's prefill, may run past it.
 
 The states a head drafter reads (the target's final states, a layer's output) come from the same
 forward (mlx-vlm's `return_hidden` / `capture_layer_ids`) into the engine's open capture, so an
@@ -50,17 +52,17 @@ WHOLE_IMAGE = ("gemma3",)
 class VisionPrefill:
     """The prefill of one `VisionPrompt` (module docstring): `covers(start)` says whether the
     prompt from `start` on needs it (an image lies there), `prefill(target, cache, end)` fills
-    the cache from its length to position `end`."""
+    the cache from its length to the end of the last image (the target prefills the rest)."""
 
     def __init__(self, vision: Vision, prompt: VisionPrompt) -> None:
         self.vision, self.prompt = vision, prompt
         language = vision.model.language_model
         window = getattr(getattr(language, "config", None), "sliding_window", None)
-        end = len(prompt.ids) - 1
-        if self._spans() and window and end > window:  # one mask serves every layer
-            raise VisionError(f"this prompt's {end} positions before its last token do not fit "
-                              f"the sliding window of {window}: prompts with images must fit "
-                              "the window")
+        stop = prompt.positions[-1] + 1 if prompt.positions else 0
+        if self._spans() and window and stop > window:  # one mask serves every layer
+            raise VisionError(f"this prompt's last image ends at position {stop}, past the "
+                              f"sliding window of {window}: images must lie within the first "
+                              f"{window} positions of a prompt")
 
     def _spans(self) -> list[tuple[int, int]] | None:
         """Each image's positions where they attend to their whole image (`WHOLE_IMAGE`)."""
@@ -71,8 +73,11 @@ class VisionPrefill:
         return self.prompt.images_from(start)
 
     def prefill(self, target: nn.Module, cache: Cache, end: int,
-                progress: Progress = None) -> None:
+                progress: Progress = None) -> int:
+        """Fill `cache` from its length to the end of the prompt's last image (at most `end`);
+        returns how many positions it filled (the target prefills the text after it)."""
         start = cache_length(cache)
+        end = min(end, self.prompt.positions[-1] + 1)
         if self.prompt.positions and start > self.prompt.positions[0]:
             raise VisionError("a prefill with images must start before the first image "
                               f"(the cache holds {start} tokens, the image starts at "
@@ -111,6 +116,7 @@ class VisionPrefill:
         finally:
             _reset(language)
         _take(theirs, cache, target, end, shift)
+        return end - start
 
 
 def _chunks(start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
