@@ -201,12 +201,11 @@ class Prepared:
     prompt_cache: PromptCache | None
     progress: Progress | None = None
     prefill: VisionPrefill | None = None  # a prompt with images: mlx-vlm prefills it
-    key: list[Any] | None = None  # what a prompt cache matches (None: the ids)
 
     @property
     def cache_key(self) -> list[Any]:
         """The prompt as a prompt cache matches it: its ids, image positions named by image."""
-        return self.ids if self.key is None else self.key
+        return self.ids if self.prefill is None else self.prefill.prompt.keys
 
     def reusable(self, common: int) -> int:
         """How much of a cached common prefix this prompt's prefill may start after."""
@@ -231,7 +230,7 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
     if prompt_progress_callback is not None and not callable(prompt_progress_callback):
         raise ParameterError("prompt_progress_callback", "a callable f(processed, total)",
                              prompt_progress_callback)
-    if images is not None or has_image_parts(prompt):
+    if own is None:
         own = vision_prefill(target, prompt, images or [], options.chat_template)
     ids = prompt_ids(tokenizer, prompt, width, options.chat_template) if own is None \
         else own.prompt.ids
@@ -263,7 +262,7 @@ def prepare(target: nn.Module, draft: Any, tokenizer: Any, prompt: Any, options:
         prompt_cache.check_free()
     return Prepared(ids, drafter, options, k_eff, options.sampling, options.processors(),
                     eos_ids(tokenizer), max_kv_size, prompt_cache, prompt_progress_callback,
-                    own, None if own is None else own.prompt.keys)
+                    own)
 
 
 def vision_prefill(target: nn.Module, prompt: Any, images: Sequence[Any],
@@ -283,10 +282,7 @@ def vision_prefill(target: nn.Module, prompt: Any, images: Sequence[Any],
                              "pip install 'tinydraft-mlx[vision]')",
                              f"{len(images)} images" if images else "image parts")
     own = VisionPrefill(vision, vision_prompt(vision, prompt, list(images), chat_template))
-    width = vocab_width(target)
-    if width is not None and max(own.prompt.ids) >= width:
-        raise ParameterError("prompt", f"token ids below the target's vocabulary of {width}",
-                             max(own.prompt.ids))
+    prompt_ids(None, own.prompt.ids, vocab_width(target))  # the token-id prompt's checks
     return own
 
 
