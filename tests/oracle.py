@@ -10,12 +10,13 @@ import numpy as np
 class Oracle:
     """Greedy decoding and exact next-token logits from a transformers checkpoint (fp32, CPU)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, auto: str = "AutoModelForCausalLM"):
         import torch
-        from transformers import AutoModelForCausalLM
+        import transformers
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        self.model = getattr(transformers, auto).from_pretrained(
+            directory, dtype=torch.float32).eval()
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """(len(ids), V) logits for every position, full recompute (no cache)."""
@@ -58,12 +59,7 @@ class VisionOracle(Oracle):
     `mm_token_type_ids`, Gemma 3's `token_type_ids`)."""
 
     def __init__(self, directory: Path, image_token_id: int, marks: str = "mm_token_type_ids"):
-        import torch
-        from transformers import AutoModelForImageTextToText
-
-        self.torch = torch
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            directory, dtype=torch.float32).eval()
+        super().__init__(directory, "AutoModelForImageTextToText")
         self.image_token_id = image_token_id
         self.marks = marks
         self.inputs: dict = {}

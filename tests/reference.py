@@ -69,6 +69,12 @@ class _ExplicitWindow:
         return keys, values
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits `x` along the last axis."""
+    top = x.max(-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+
+
 def two_step_joint(logits_of, ids: list[int], **warp_kw) -> dict[tuple[int, int], float]:
     """The exact joint of the first two tokens after `ids`, each step warped by `warp_np`;
     logits_of(ids) -> (len(ids), V) logits (the oracle's, or a windowed pass)."""
@@ -155,6 +161,22 @@ def prefilled(make_decoder, ids: list[int], draft, prefill=None):
     cache = PromptCache(decoder.target, source)
     assert record_caches(cache, decoder.remove(uid), ids, [])
     return cache
+
+
+def prefilled_rows(target, prompts: list[list[int]], margin: int):
+    """A `BatchCache` of `target` holding `prompts`, each prefilled in a one-sequence cache of
+    that rollback margin (as a batch's joining rows are)."""
+    from tinydraft_mlx.engine.cache import layer_kinds, make_cache
+    from tinydraft_mlx.engine.cache.batch import BatchCache
+    from tinydraft_mlx.engine.forward import prefill
+
+    rows, solo = BatchCache(layer_kinds(target), margin=margin), []
+    for ids in prompts:
+        cache = make_cache(target, margin=margin)
+        prefill(target, cache, ids)
+        solo.append(cache)
+    rows.add(solo)
+    return rows
 
 
 def insert_from(decoder, cache, ids: list[int], **kwargs) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.fixtures import HYBRIDS, build_hybrid_pair
-from tests.reference import decoded_compiled_and_eager
+from tests.reference import decoded_compiled_and_eager, prefilled_rows
 from tinydraft_mlx import load_models
 from tinydraft_mlx.engine.cache import make_cache, rollback
 from tinydraft_mlx.engine.cache.recurrent import RecurrentCache
@@ -97,21 +97,12 @@ def test_a_batchs_compiled_forward_matches_eager_through_rollbacks(hybrids, fami
     (`forward_batch`, compiled) against the eager forward on a second BatchCache, each followed
     half the time by a rollback of each row by its own amount; logits to float32 rounding, and
     at the end every row's windows, states and keys/values."""
-    from tinydraft_mlx.engine.cache import layer_kinds
-    from tinydraft_mlx.engine.cache.batch import BatchCache
     from tinydraft_mlx.engine.forward import forward_batch
 
     target, _, _ = hybrids[family]
     rng = random.Random(1)
     prompts = [[rng.randrange(200) for _ in range(n)] for n in (12, 20, 7)]
-    ours, eager = (BatchCache(layer_kinds(target), margin=4) for _ in range(2))
-    for rows in (ours, eager):
-        solo = []
-        for ids in prompts:
-            cache = make_cache(target, margin=4)
-            prefill(target, cache, ids)
-            solo.append(cache)
-        rows.add(solo)
+    ours, eager = (prefilled_rows(target, prompts, margin=4) for _ in range(2))
     before, worst = traces(target), 0.0
     for _ in range(40):
         n = rng.choice([1, 2])

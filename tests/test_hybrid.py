@@ -28,6 +28,7 @@ from tests.fixtures import HYBRIDS, build_hybrid_pair, build_tokenizer
 from tests.reference import (
     check_first_two_in_batches,
     drain,
+    prefilled_rows,
     seeded_row_in_a_batch,
     two_step_joint,
 )
@@ -41,7 +42,6 @@ from tinydraft_mlx import (
     load_models,
 )
 from tinydraft_mlx.engine.cache import layer_kinds, make_cache
-from tinydraft_mlx.engine.cache.batch import BatchCache
 from tinydraft_mlx.engine.cache.recurrent import RecurrentCache
 from tinydraft_mlx.engine.forward import prefill
 from tinydraft_mlx.generation.loading import ModelLoadError, load_model
@@ -155,13 +155,7 @@ def test_a_rolled_back_state_is_the_accepted_prefix_state(hybrids, family):
     _, (target, _, _), refs, _ = hybrids[family]
     prompts = [ids for ids, _ in refs[:3]]
     fed = [7, 11, 13, 17, 19]
-    batch = BatchCache(layer_kinds(target), margin=6)
-    singles = []
-    for ids in prompts:
-        single = make_cache(target, margin=6)
-        prefill(target, single, ids)
-        singles.append(single)
-    batch.add(singles)
+    batch = prefilled_rows(target, prompts, margin=6)
     batch.forward(target, mx.array([fed] * 3))
     unrolled = [[(np.array(c[0][b]), np.array(c[1][b])) for c in batch.layers
                  if isinstance(c, RecurrentCache)] for b in range(3)]

@@ -41,12 +41,11 @@ from tests.reference import (
     check_first_two_in_batches,
     drain,
     kept_rows,
+    prefilled_rows,
     two_step_joint,
 )
 from tinydraft_mlx import BatchDecoder, SamplingParams, batch_generate, generate, load_models
-from tinydraft_mlx.engine.cache import branches, layer_kinds, make_cache
-from tinydraft_mlx.engine.cache.batch import BatchCache
-from tinydraft_mlx.engine.forward import prefill
+from tinydraft_mlx.engine.cache import branches
 from tinydraft_mlx.engine.tree_verify import compact, forward, layout
 from tinydraft_mlx.engine.trees import Tree
 
@@ -108,13 +107,7 @@ def test_one_tree_forward_follows_every_branch(built, family, monkeypatch):
         len(t.ancestors(i)) > 4 for t in trees for i in range(len(t)))
 
     def tree_forward():
-        rows = BatchCache(layer_kinds(target), margin=16)
-        solo = []
-        for ids in prompts:
-            cache = make_cache(target, margin=16)
-            prefill(target, cache, ids[:-1])
-            solo.append(cache)
-        rows.add(solo)
+        rows = prefilled_rows(target, [ids[:-1] for ids in prompts], margin=16)
         placed = layout(trees)
         return rows, forward(target, rows, placed.tokens, placed)
 

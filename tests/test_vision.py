@@ -43,7 +43,7 @@ from tests.fixtures import (
     write_mtp,
 )
 from tests.hub_layouts import build_vision
-from tests.reference import check_first_two_in_batches, two_step_joint
+from tests.reference import check_first_two_in_batches, log_softmax, two_step_joint
 from tinydraft_mlx import (
     BatchDecoder,
     PromptCache,
@@ -146,11 +146,6 @@ def references(seen):
     return out
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    top = x.max(-1, keepdims=True)
-    return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
-
-
 def _drafter(seen, name: str):
     return {"plain": None, "model": seen["draft"], "lookup": "prompt-lookup",
             "mtp": seen["head"], "dflash": seen["block"], "dflash-tree": seen["block"]}[name]
@@ -169,7 +164,7 @@ def test_greedy_equals_mlx_vlm_and_the_oracle(seen, references, drafter, case):
     assert out[-1].stats.prompt_tokens == len(ids)
     if drafter in ("model", "mtp"):
         assert out[-1].stats.accepted > 0, out[-1].stats
-    want = _log_softmax(oracle.logits(ids + greedy)[len(ids) - 1 : -1])
+    want = log_softmax(oracle.logits(ids + greedy)[len(ids) - 1 : -1])
     got = np.stack([np.array(r.logprobs.astype(mx.float32)) for r in out])
     assert np.abs(got - want[:, : got.shape[1]]).max() < 2e-4
 
@@ -184,7 +179,7 @@ def test_keys_not_moved_leave_the_oracle(seen, references, monkeypatch):
     images = [seen["images"][0], seen["images"][1]]
     out = list(stream_generate(seen["target"], None, seen["tok"], TWO, images=images,
                                max_tokens=4))
-    want = _log_softmax(oracle.logits(ids)[-1])
+    want = log_softmax(oracle.logits(ids)[-1])
     got = np.array(out[0].logprobs.astype(mx.float32))
     assert np.abs(got - want[: got.shape[0]]).max() > 1e-3
 

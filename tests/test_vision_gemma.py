@@ -22,6 +22,7 @@ from PIL import Image
 
 from tests.fixtures import build_family_pair
 from tests.hub_layouts import build_gemma_vision
+from tests.reference import log_softmax
 from tinydraft_mlx import load_models, stream_generate
 from tinydraft_mlx.generation.api import vision_prefill
 from tinydraft_mlx.vision import vision_of
@@ -30,11 +31,6 @@ pytestmark = pytest.mark.usefixtures("cpu_fp32")
 
 NEW = 12
 PROMPT = "def parse(self, x):\n    <start_of_image> return"
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    top = x.max(-1, keepdims=True)
-    return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +58,7 @@ def test_greedy_and_log_probabilities_equal_the_oracle(gemma, drafter):
     out = list(stream_generate(target, drafter, tok, PROMPT, images=[picture], max_tokens=NEW,
                                k=3))
     assert [r.token for r in out] == greedy
-    want = _log_softmax(oracle.logits(ids + greedy)[len(ids) - 1 : -1])
+    want = log_softmax(oracle.logits(ids + greedy)[len(ids) - 1 : -1])
     got = np.stack([np.array(r.logprobs.astype(mx.float32)) for r in out])
     assert np.abs(got - want[:, : got.shape[1]]).max() < 2e-4
     vision = vision_of(target)
@@ -75,7 +71,7 @@ def test_a_causal_image_leaves_the_oracle(gemma, monkeypatch):
     target, tok, picture, ids, oracle = gemma
     monkeypatch.setattr(prefill, "WHOLE_IMAGE", ())
     out = list(stream_generate(target, None, tok, PROMPT, images=[picture], max_tokens=2))
-    want = _log_softmax(oracle.logits(ids)[-1])
+    want = log_softmax(oracle.logits(ids)[-1])
     got = np.array(out[0].logprobs.astype(mx.float32))
     assert np.abs(got - want[: got.shape[0]]).max() > 1e-2
 
@@ -93,7 +89,7 @@ def test_text_past_the_window_after_the_image_runs_and_an_image_past_it_is_refus
     out = list(stream_generate(target, "prompt-lookup", tok, long, images=[picture],
                                max_tokens=4, k=2))
     assert [r.token for r in out] == greedy
-    want = _log_softmax(oracle.logits(own.prompt.ids)[-1])
+    want = log_softmax(oracle.logits(own.prompt.ids)[-1])
     got = np.array(out[0].logprobs.astype(mx.float32))
     assert np.abs(got - want[: got.shape[0]]).max() < 2e-4
     late = "x = 1\n" * 60 + PROMPT
