@@ -155,17 +155,19 @@ def vlm_python() -> Path:
 # -- workers (one contender, one fixture, one temperature) ----------------------------------
 def _rates(runs) -> tuple[float, list[list[int]], dict]:
     """Decode tokens/s over `runs` (per prompt: an iterator of (token, drafted) pairs), their
-    tokens, and drafted-token counts."""
-    tokens, seconds, outs, drafted = 0, 0.0, [], 0
+    tokens, drafted-token counts and the mean prefill seconds (from the iterator's first request
+    to its first token)."""
+    tokens, seconds, outs, drafted, prefill = 0, 0.0, [], 0, 0.0
     for run in runs:
-        stamps, ids = [], []
+        begin, stamps, ids = time.perf_counter(), [], []
         for token, from_draft in run:
             stamps.append(time.perf_counter())
             ids.append(int(token))
             drafted += bool(from_draft)
         tokens, seconds = tokens + len(ids) - 1, seconds + stamps[-1] - stamps[0]
+        prefill += stamps[0] - begin
         outs.append(ids)
-    return tokens / seconds, outs, {"from_draft": drafted}
+    return tokens / seconds, outs, {"from_draft": drafted, "prefill_s": prefill / len(outs)}
 
 
 def _ours(directory: Path, contender: str, temperature: float, prompts: list) -> dict:

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers import CACHE, ROOT, _add_mtp, _text_config
+from bench.peers import CACHE, ROOT, _add_mtp, _rates, _text_config
 
 FIXTURE = CACHE / "qwen3.5-vision"
 TEMPERATURES = (0.0, 0.7)
@@ -107,18 +107,6 @@ def _image_positions() -> list[tuple[int, int]]:
     return out
 
 
-def _timed(run) -> tuple[float, float, int, list[int], int]:
-    """(prefill seconds, decode seconds, decoded tokens, ids, drafted) of one generation
-    (`run`: (token, from_draft) pairs)."""
-    start = time.perf_counter()
-    stamps, ids, drafted = [], [], 0
-    for token, from_draft in run:
-        stamps.append(time.perf_counter())
-        ids.append(int(token))
-        drafted += bool(from_draft)
-    return stamps[0] - start, stamps[-1] - stamps[0], len(ids) - 1, ids, drafted
-
-
 def _ours(contender: str, temperature: float) -> dict:
     from bench.common import machine  # noqa: I001  (before mlx.core: the BLAS preload)
     from tinydraft_mlx import load_models, stream_generate
@@ -170,14 +158,9 @@ def _mlx_vlm(contender: str, temperature: float) -> dict:
 
 def _measure(run, machine: dict) -> dict:
     pictures = _pictures()
-    _timed(run(pictures[0], 16))  # warm-up
-    prefill, seconds, tokens, outs, drafted = 0.0, 0.0, 0, [], 0
-    for picture in pictures:
-        p, s, t, ids, d = _timed(run(picture, TOKENS))
-        prefill, seconds, tokens, drafted = prefill + p, seconds + s, tokens + t, drafted + d
-        outs.append(ids)
-    return {"rate": tokens / seconds, "prefill_s": prefill / len(pictures), "outs": outs,
-            "from_draft": drafted, "machine": machine}
+    list(run(pictures[0], 16))  # warm-up
+    rate, outs, extra = _rates(run(picture, TOKENS) for picture in pictures)
+    return {"rate": rate, "outs": outs, **extra, "machine": machine}
 
 
 def worker(contender: str, temperature: float) -> dict:
